@@ -1,0 +1,252 @@
+"""Hugging Face checkpoint directories in and out: config.json + *.safetensors (sharded or not).
+
+Loading goes tensor by tensor: each checkpoint tensor is read on the host once, viewed in our
+layout (a transpose/reshape, no copy), and each device receives only its own slice through
+`jax.make_array_from_callback`. No device ever holds a replicated copy, and host memory peaks at
+one tensor. Only safetensors are read: no pickle, no remote code, no hub.
+
+Name mapping (ours <-> HF), with the layout change each needs:
+  embed_tokens                      model.embed_tokens.weight         same [V, D]
+  layers.i.self_attn.{q,k,v}_proj   ...{q,k,v}_proj.weight            [D, n, H] <- [n*H, D]
+  layers.i.self_attn.o_proj         ...o_proj.weight                  [N, H, D] <- [D, N*H]
+  layers.i.mlp.*_proj, lm_head      ....weight                        [in, out] <- [out, in]
+  norms, o_proj.bias                ....weight / .bias                same
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_topo.models.config import ModelConfig, from_hf_dict, to_hf_dict
+from jaxrl_topo.models.model import Params, abstract_model, param_shardings
+from jaxrl_topo.topology.rules import ActivationSharding, Rules
+
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed here
+
+
+class CheckpointError(ValueError):
+  """A checkpoint does not match the config: names the tensor."""
+
+
+# --- layout transforms: HF array -> our view, and back ----------------------------------------
+
+
+def _to_ours(path: tuple, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  leaf, owner = path[-1], path[-2] if len(path) > 1 else None
+  if leaf == "kernel" and owner in ("q_proj", "k_proj", "v_proj"):
+    D, n, H = shape
+    return hf.reshape(n, H, D).transpose(2, 0, 1)
+  if leaf == "kernel" and owner == "o_proj":
+    N, H, D = shape
+    return hf.reshape(D, N, H).transpose(1, 2, 0)
+  if leaf == "bias" and owner in ("q_proj", "k_proj", "v_proj"):
+    return hf.reshape(shape)
+  if leaf == "kernel" or path == ("lm_head",):
+    return hf.T
+  return hf
+
+
+def _to_hf(path: tuple, ours: np.ndarray) -> np.ndarray:
+  leaf, owner = path[-1], path[-2] if len(path) > 1 else None
+  if leaf == "kernel" and owner in ("q_proj", "k_proj", "v_proj"):
+    D, n, H = ours.shape
+    return ours.transpose(1, 2, 0).reshape(n * H, D)
+  if leaf == "kernel" and owner == "o_proj":
+    N, H, D = ours.shape
+    return ours.transpose(2, 0, 1).reshape(D, N * H)
+  if leaf == "bias" and owner in ("q_proj", "k_proj", "v_proj"):
+    return ours.reshape(-1)
+  if leaf == "kernel" or path == ("lm_head",):
+    return ours.T
+  return ours
+
+
+def hf_name(path: tuple) -> str:
+  """Our param path -> HF tensor name, e.g. ("layers", 0, "mlp", "up_proj", "kernel")."""
+  if path == ("lm_head",):
+    return "lm_head.weight"
+  parts = ["weight" if p == "kernel" else str(p) for p in path]
+  if path == ("embed_tokens",):
+    parts.append("weight")
+  return "model." + ".".join(parts)
+
+
+def _hf_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
+  return _to_hf(path, np.empty(shape, np.int8)).shape
+
+
+def _flat(tree: Params, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+  out = []
+  for key, value in tree.items():
+    out += _flat(value, prefix + (key,)) if isinstance(value, dict) else [(prefix + (key,), value)]
+  return out
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def read_config(model_dir: str, **overrides) -> ModelConfig:
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{model_dir}: no config.json (expected a local Hugging Face model directory)")
+  with open(path) as f:
+    return from_hf_dict(json.load(f), **overrides)
+
+
+def _tensor_files(model_dir: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file holding it."""
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+  files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+  if not files:
+    pickles = [f for f in _PICKLE_FILES if os.path.exists(os.path.join(model_dir, f))]
+    hint = f"; found {pickles}, which are pickle files and are never loaded: convert them" if pickles else ""
+    raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{hint}")
+  out = {}
+  for file in files:
+    with safe_open(os.path.join(model_dir, file), framework="numpy") as f:
+      out.update({name: os.path.join(model_dir, file) for name in f.keys()})  # noqa: SIM118
+  return out
+
+
+def _check_names(expected: dict[str, tuple], files: dict[str, str], cfg: ModelConfig) -> None:
+  present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+  if cfg.tie_embeddings:
+    present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+  missing = sorted(set(expected) - present)
+  unexpected = sorted(present - set(expected))
+  if missing:
+    raise CheckpointError(f"checkpoint is missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                          f"that the config ({cfg.family}, {cfg.n_layers} layers) needs")
+  if unexpected:
+    raise CheckpointError(f"checkpoint has unexpected tensor(s) {unexpected[:5]}"
+                          f"{' ...' if len(unexpected) > 5 else ''} that the config does not use")
+
+
+def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules | None = None):
+  """(graphdef, params) from `model_dir`'s safetensors, each device getting only its own shards."""
+  sharding = ActivationSharding(mesh, rules) if mesh is not None else None
+  graphdef, abstract = abstract_model(cfg, sharding)
+  shardings = (param_shardings(abstract, mesh, rules) if mesh is not None
+               else jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract.shapes))
+  expected = {hf_name(p): (p, sds) for p, sds in _flat(abstract.shapes)}
+  files = _tensor_files(model_dir)
+  _check_names(expected, files, cfg)
+  leaves = {}
+  with contextlib.ExitStack() as stack:
+    handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}
+    for name, (path, sds) in expected.items():
+      handle = handles[files[name]]
+      got = tuple(handle.get_slice(name).get_shape())
+      want = _hf_shape(path, sds.shape)
+      if got != want:
+        raise CheckpointError(f"tensor {name!r} has shape {got} in the checkpoint; the config needs {want}")
+      view = _to_ours(path, handle.get_tensor(name), sds.shape)
+      sharding_ = _at(shardings, path)
+      leaves[path] = jax.make_array_from_callback(
+          sds.shape, sharding_, lambda idx, v=view, dt=sds.dtype: np.ascontiguousarray(v[idx]).astype(dt))
+  return graphdef, _unflat(leaves)
+
+
+def _at(tree: Params, path: tuple):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _unflat(leaves: dict[tuple, Any]) -> Params:
+  out: Params = {}
+  for path, value in leaves.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def load_model(model_dir: str, mesh: Mesh | None = None, rules: Rules | None = None, **cfg_overrides):
+  """(cfg, graphdef, params) for a local HF directory; `cfg_overrides` e.g. dtype="float32"."""
+  cfg = read_config(model_dir, **cfg_overrides)
+  graphdef, params = load_params(model_dir, cfg, mesh, rules)
+  return cfg, graphdef, params
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def _host_array(x: jax.Array) -> np.ndarray:
+  """The full value on the host; every process must call this for arrays spanning processes."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str | None = None,
+               max_shard_bytes: int = 4 << 30, bos_token_id: int | None = None,
+               eos_token_id: int | list[int] | None = None,
+               progress: Callable[[str], None] | None = None) -> None:
+  """Writes `params` as an HF directory that `transformers` loads. Call from every process;
+  process 0 writes. `dtype` defaults to cfg.param_dtype."""
+  dtype = dtype or cfg.param_dtype
+  np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+  tensors = {}
+  for path, x in _flat(params):
+    tensors[hf_name(path)] = np.ascontiguousarray(_to_hf(path, _host_array(x))).astype(np_dtype)
+    if progress:
+      progress(hf_name(path))
+  if jax.process_index() != 0:
+    return
+  os.makedirs(model_dir, exist_ok=True)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  for name, t in tensors.items():
+    if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + t.nbytes > max_shard_bytes:
+      shards.append({})
+    shards[-1][name] = t
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, shard in zip(names, shards, strict=True):
+    _atomic(os.path.join(model_dir, file), lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
+    _write_json(os.path.join(model_dir, "model.safetensors.index.json"), index)
+  hf_cfg = to_hf_dict(dataclass_with_dtype(cfg, dtype), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+  _write_json(os.path.join(model_dir, "config.json"), hf_cfg)
+  if eos_token_id is not None or bos_token_id is not None:
+    gen = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
+    _write_json(os.path.join(model_dir, "generation_config.json"), gen)
+
+
+def dataclass_with_dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
+  import dataclasses
+  return dataclasses.replace(cfg, param_dtype=dtype)
+
+
+def _atomic(path: str, write: Callable[[str], None]) -> None:
+  """Writes through a temporary name, so an interrupted save never leaves a torn file under `path`."""
+  tmp = path + ".tmp"
+  write(tmp)
+  os.replace(tmp, path)
+
+
+def _write_json(path: str, obj: Any) -> None:
+  def write(p):
+    with open(p, "w") as f:
+      json.dump(obj, f, indent=2)
+  _atomic(path, write)

@@ -1,0 +1,96 @@
+"""The model as (graphdef, params): split once, pure functions of plain pytrees after that.
+
+`params` is a nested dict of arrays (`nnx.to_pure_dict` layout: {"layers": {0: {...}}, ...}).
+Everything downstream (train step, rollout engine, weight sync, checkpoints) sees only that dict;
+`nnx.merge(graphdef, params)` happens inside the jitted function.
+
+  graphdef, abstract = abstract_model(cfg)                     # shapes + logical names, no memory
+  graphdef, params = init_params(cfg, key, mesh, TRAIN_RULES)  # born sharded (STYLE H7)
+  logits_BTV, cache = forward(graphdef, params, tokens_BT, positions_BT, segment_ids_BT, cache)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_topo.models.config import ModelConfig
+from jaxrl_topo.models.transformer import Transformer
+from jaxrl_topo.topology.rules import ActivationSharding, Rules, named_sharding
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractParams:
+  """Per-parameter shape/dtype and logical axis names, as two dicts in the params layout."""
+
+  shapes: Params  # leaves: jax.ShapeDtypeStruct
+  axes: Params  # leaves: tuple[str, ...]; map with `shapes` first so each tuple arrives whole
+
+
+def _nested(flat: list[tuple[tuple, Any]]) -> Params:
+  out: Params = {}
+  for path, value in flat:
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None):
+  """(graphdef, AbstractParams) without allocating anything."""
+  model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), sharding))
+  graphdef, state = nnx.split(model, nnx.Param)
+  flat = list(nnx.to_flat_state(state))
+  shapes = _nested([(p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, v in flat])
+  axes = _nested([(p, tuple(v.get_metadata()["logical_axes"])) for p, v in flat])
+  return graphdef, AbstractParams(shapes=shapes, axes=axes)
+
+
+def param_shardings(abstract: AbstractParams, mesh: Mesh, rules: Rules) -> Params:
+  """NamedSharding per parameter; raises naming the parameter if a sharded dim doesn't divide."""
+  def one(path, sds, axes):
+    return named_sharding(axes, rules, mesh, sds.shape, what=jax.tree_util.keystr(path))
+  return jax.tree_util.tree_map_with_path(one, abstract.shapes, abstract.axes)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None, rules: Rules | None = None):
+  """(graphdef, params) with params created already sharded on `mesh` (nothing replicated first)."""
+  sharding = ActivationSharding(mesh, rules) if mesh is not None else None
+  graphdef, abstract = abstract_model(cfg, sharding)
+
+  def init(key):
+    return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(params=key), sharding), nnx.Param))
+
+  out_shardings = param_shardings(abstract, mesh, rules) if mesh is not None else None
+  return graphdef, jax.jit(init, out_shardings=out_shardings)(key)
+
+
+def forward(graphdef, params: Params, tokens_BT, positions_BT, segment_ids_BT=None, cache=None):
+  """(logits_BTV float32, cache) — a pure function of arrays; call it inside your own jit."""
+  return nnx.merge(graphdef, params)(tokens_BT, positions_BT, segment_ids_BT, cache)
+
+
+def make_apply_fn(graphdef) -> Callable[..., jax.Array]:
+  """`apply_fn(params, tokens, positions, segment_ids) -> logits`, the signature the train step takes."""
+  def apply_fn(params, tokens_BT, positions_BT, segment_ids_BT):
+    return forward(graphdef, params, tokens_BT, positions_BT, segment_ids_BT)[0]
+  return apply_fn
+
+
+def cast_params(params: Params, dtype) -> Params:
+  """Every floating leaf cast to `dtype` (e.g. fp32 master weights -> bf16 rollout copy)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def shardings_of(params: Params) -> Params:
+  """The sharding of every leaf: a ready-made `in_shardings` for a jit over `params`."""
+  return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else None, params)

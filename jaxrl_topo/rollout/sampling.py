@@ -1,0 +1,154 @@
+"""Next-token sampling inside jit: temperature, top-k, top-p, min-p, one key per row.
+
+Alphabet: B=batch rows, V=vocabulary, K=top_k.
+
+Log-prob convention. `sample_tokens` returns, for each row, the log-probability
+
+    logprob = log_softmax(logits / T)[token]      over the FULL vocabulary,
+
+with T = cfg.temperature (T = 1 when greedy). It is NOT renormalised over the set kept by
+top-k/top-p/min-p. That is the quantity a trainer recomputes from its own logits, so the two
+agree up to numerics; the small mass that truncation removes is absorbed by the importance
+weight pi_train / pi_rollout in the loss instead of being baked into the behaviour log-probs.
+
+Truncation order (the one vLLM and HF use): temperature -> top-k -> top-p -> min-p.
+  * top-k keeps tokens whose scaled logit is >= the k-th largest one (`lax.top_k`, k static).
+  * top-p works on the top-k-renormalised distribution q: it keeps q >= tau*, where tau* is the
+    largest threshold whose kept mass is >= top_p. That is the shortest prefix of the sorted
+    distribution reaching top_p, except that ALL tokens tied with the last one are kept.
+  * min-p keeps p >= min_p * max(p); the arg-max survives every filter, so the set is non-empty.
+Ties at the top-k boundary are likewise all kept, so the kept set never depends on how a sort
+would break ties, and the jitted version and a sort-based reference agree exactly.
+The token is then drawn from the kept set with probability proportional to softmax(logits / T).
+
+No full-vocabulary sort: tau* is found by bisecting over the bit pattern of a float32 in [0, 1]
+(positive floats order like their int32 bits), each step one O(V) masked sum. The range holds
+< 2^30 floats, so 32 steps land on tau* exactly: no tolerance, unlike bisecting on the value.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_BISECT_STEPS = 32  # > log2(#float32 in [0, 1]) = 30: the bisection ends on adjacent floats.
+_ONE_BITS = 0x3F800000  # int32 bit pattern of float32(1.0).
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How to pick the next token. Frozen and hashable: pass it to jit as a static argument.
+
+  greedy: arg-max; the other fields are then ignored (the arg-max survives any truncation).
+  temperature: logits are divided by it before everything else; > 0 unless greedy.
+  top_k: keep the k most likely tokens (plus ties); 0 = off.
+  top_p: nucleus mass in (0, 1]; 1 = off.
+  min_p: keep tokens with p >= min_p * max(p), in [0, 1); 0 = off.
+  """
+
+  greedy: bool = False
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+
+  def __post_init__(self):
+    # `not x > 0` instead of `x <= 0` so that NaN is rejected too.
+    if not self.temperature >= 0 or (not self.greedy and not self.temperature > 0):
+      raise ValueError(f"temperature must be > 0 unless greedy, got temperature={self.temperature}")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0 (0 = off), got top_k={self.top_k!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1] (1 = off), got top_p={self.top_p}")
+    if not 0.0 <= self.min_p < 1.0:
+      raise ValueError(f"min_p must be in [0, 1) (0 = off), got min_p={self.min_p}")
+
+  @property
+  def truncates(self) -> bool:
+    """True when any of top-k / top-p / min-p can remove tokens."""
+    return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def sequence_keys(base_key: jax.Array, seq_ids_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+  """keys_B[b] = fold_in(fold_in(base_key, seq_ids_B[b]), positions_B[b]).
+
+  The key depends on which sequence and which position, never on the batch slot, so a sequence
+  samples the same tokens whatever else shares its batch (continuous batching moves rows).
+  """
+  fold = lambda seq_id, pos: jax.random.fold_in(jax.random.fold_in(base_key, seq_id), pos)
+  return jax.vmap(fold)(seq_ids_B, positions_B)
+
+
+def _scale(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """logits / T in float32: bf16 logits would make ties and a coarse softmax."""
+  return logits_BV.astype(jnp.float32) / (1.0 if cfg.greedy else cfg.temperature)
+
+
+def _top_p_threshold(probs_V: jax.Array, keep_V: jax.Array, top_p: float) -> jax.Array:
+  """tau* = max{tau : sum_{keep, p >= tau} p >= top_p * sum_keep p}, found by bisection on bits.
+
+  Masses are compared unnormalised (top_p * total) so no division rounds q. Invariant: `lo` is
+  feasible (tau = 0 keeps everything), `hi` is not (above 1.0 nothing is kept), so the loop
+  ends with lo = the largest feasible float, which is a kept token's probability.
+  """
+  kept_V = jnp.where(keep_V, probs_V, 0.0)
+  target = top_p * kept_V.sum()
+
+  def step(_, lo_hi):
+    lo, hi = lo_hi
+    mid = lo + (hi - lo) // 2
+    tau = jax.lax.bitcast_convert_type(mid, jnp.float32)
+    feasible = jnp.where(probs_V >= tau, kept_V, 0.0).sum() >= target
+    return jnp.where(feasible, mid, lo), jnp.where(feasible, hi, mid)
+
+  init = (jnp.int32(0), jnp.int32(_ONE_BITS + 1))
+  lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, step, init)
+  return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _keep_row(scaled_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """Kept-token mask of one row, in the order top-k -> top-p -> min-p (module docstring)."""
+  V = scaled_V.shape[0]
+  probs_V = jax.nn.softmax(scaled_V)
+  keep_V = jnp.ones((V,), jnp.bool_)
+  if 0 < cfg.top_k < V:  # k >= V keeps everything: skip the top_k call.
+    kth = jax.lax.top_k(scaled_V, cfg.top_k)[0][cfg.top_k - 1]
+    keep_V = scaled_V >= kth
+  if cfg.top_p < 1.0:
+    keep_V = keep_V & (probs_V >= _top_p_threshold(probs_V, keep_V, cfg.top_p))
+  if cfg.min_p > 0.0:
+    keep_V = keep_V & (probs_V >= cfg.min_p * probs_V.max())
+  return keep_V
+
+
+def truncation_mask(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """keep_BV: the tokens that top-k/top-p/min-p leave on the temperature-scaled logits."""
+  return jax.vmap(functools.partial(_keep_row, cfg=cfg))(_scale(logits_BV, cfg))
+
+
+def _sample_row(scaled_V: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """One draw from softmax(scaled) restricted to the kept set (gumbel-max via categorical)."""
+  if cfg.truncates:
+    scaled_V = jnp.where(_keep_row(scaled_V, cfg), scaled_V, -jnp.inf)
+  return jax.random.categorical(key, scaled_V)
+
+
+def sample_tokens(
+    logits_BV: jax.Array, keys_B: jax.Array, cfg: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+  """Samples one token per row; returns (tokens_B int32, logprobs_B float32).
+
+  logprobs_B = log_softmax(logits_BV / T)[tokens_B] over the full vocabulary (not renormalised
+  after truncation; see the module docstring). Greedy: tokens_B = argmax (ties -> lowest index)
+  and T = 1. Row b uses only keys_B[b]. Jit with `static_argnames="cfg"`.
+  """
+  scaled_BV = _scale(logits_BV, cfg)
+  if cfg.greedy:
+    tokens_B = jnp.argmax(scaled_BV, axis=-1)
+  else:
+    tokens_B = jax.vmap(functools.partial(_sample_row, cfg=cfg))(scaled_BV, keys_B)
+  tokens_B = tokens_B.astype(jnp.int32)
+  logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+  logprobs_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+  return tokens_B, logprobs_B

@@ -1,0 +1,110 @@
+"""Logical axis names -> mesh axes, one rule set per role (STYLE H6).
+
+Model code names what each dimension *is* (`embed`, `heads`, ...); a rule set says where each name
+lives on a mesh. A rule maps a name to a mesh axis, a tuple of mesh axes, or None (replicated).
+Mesh axes a rule names but the mesh lacks are dropped, so one rule set serves `fsdp=8` and
+`fsdp=4 x tensor=2` alike. A logical name with no rule at all is an error: a new parameter is
+never replicated by accident (STYLE anti-pattern 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+                "cache_length")
+
+# Trainer: FSDP shards every weight's `embed` dim; `tensor` (if the mesh has it) splits heads/mlp/vocab.
+TRAIN_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("cache_length", None),
+)
+
+# Rollout: weights whole on each data replica, tensor-parallel inside it; decode slots over `data`.
+ROLLOUT_RULES: Rules = (
+    ("batch", "data"),
+    ("length", None),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("cache_length", None),
+)
+
+
+def make_mesh(axes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with Auto (GSPMD) axes over `devices` (default: all), e.g. {"fsdp": 4, "tensor": 2}."""
+  devices = list(jax.devices() if devices is None else devices)
+  size = int(np.prod(list(axes.values()))) if axes else 1
+  if size != len(devices):
+    raise ValueError(f"mesh axes {axes} need {size} devices, got {len(devices)}")
+  grid = np.asarray(devices, dtype=object).reshape(tuple(axes.values()))
+  return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
+  """PartitionSpec for a tensor whose dims carry `names`; raises on unknown names or reuse of an axis."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in names:
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"no sharding rule for logical axis {name!r}; rules cover {sorted(table)}")
+    target = table[name]
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    axes = tuple(a for a in axes if a in mesh.shape and a not in used)
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*spec)
+
+
+def named_sharding(names: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None,
+                   what: str = "tensor") -> NamedSharding:
+  """NamedSharding for `names`; with `shape`, checks each sharded dim divides evenly, naming `what`."""
+  spec = logical_to_spec(names, rules, mesh)
+  if shape is not None:
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape), strict=False)):
+      if axes is None:
+        continue
+      ways = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+      if size % ways:
+        raise ValueError(f"{what}: dim {dim} ({names[dim]}={size}) does not divide over mesh axes {axes} "
+                         f"({ways} ways); choose a mesh whose axis sizes divide it")
+  return NamedSharding(mesh, spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], sharding: ActivationSharding | None) -> jax.Array:
+  """Pins an activation's layout inside jit; identity when no sharding is configured."""
+  if sharding is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, logical_to_spec(
+      names, sharding.rules, sharding.mesh)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSharding:
+  """(mesh, rules) for activation constraints inside the model. Hashable: part of the static graph."""
+
+  mesh: Mesh
+  rules: Rules

@@ -1,0 +1,201 @@
+"""Tests for rollout/sampling.py: kept sets vs a sorting reference, frequencies, log-probs, keys."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys, truncation_mask
+
+V = 1000  # not a power of two, so nothing lines up with a reduction tree by luck.
+# Eager vmap runs op by op and is slow on CPU; tests go through jit like the engine does.
+_sample = jax.jit(sample_tokens, static_argnames="cfg")
+_mask = jax.jit(truncation_mask, static_argnames="cfg")
+
+
+def reference_keep(logits_V: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, float]:
+  """Sort-based kept set; also returns how close top_p came to a cumulative-mass step.
+
+  Starts from the same float32 logits / T as the code under test, then works in float64.
+  """
+  x = (logits_V.astype(np.float32) / np.float32(cfg.temperature)).astype(np.float64)
+  p = np.exp(x - x.max())
+  p /= p.sum()
+  order = np.argsort(-x, kind="stable")
+  keep = x >= x[order[cfg.top_k - 1]] if cfg.top_k else np.ones_like(x, bool)  # ties kept
+  margin = np.inf
+  if cfg.top_p < 1:
+    cum = np.cumsum(np.where(keep, p, 0)[order]) / p[keep].sum()
+    keep &= p >= p[order[np.argmax(cum >= cfg.top_p)]]  # shortest prefix, then its ties
+    margin = np.abs(cum - cfg.top_p).min()
+  return keep & (p >= cfg.min_p * p.max()), margin
+
+
+def _random_logits(seed, B, scale=3.0):
+  return np.asarray(jax.random.normal(jax.random.key(seed), (B, V)) * scale, np.float32)
+
+
+CONFIGS = [
+    SamplingConfig(top_p=0.5),
+    SamplingConfig(top_p=0.9, temperature=0.7),
+    SamplingConfig(top_p=0.99, temperature=1.3),
+    SamplingConfig(top_p=0.2),
+    SamplingConfig(top_k=50),
+    SamplingConfig(top_k=7, top_p=0.8),
+    SamplingConfig(min_p=0.05),
+    SamplingConfig(top_k=100, top_p=0.95, min_p=0.01, temperature=0.6),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=repr)
+def test_kept_set_matches_sorting_reference(cfg):
+  logits_BV = _random_logits(0, 64)
+  got_BV = np.asarray(_mask(logits_BV, cfg=cfg))
+  n_checked = 0
+  for b in range(logits_BV.shape[0]):
+    want_V, margin = reference_keep(logits_BV[b], cfg)
+    # top_p within float32 summation error (~log2(V) * 6e-8 < 1e-6) of a cumulative-mass step:
+    # float32 and float64 may both be right and disagree, so such rows are skipped.
+    if margin < 1e-6:
+      continue
+    n_checked += 1
+    np.testing.assert_array_equal(got_BV[b], want_V, err_msg=f"row {b}: kept set differs")
+  assert n_checked >= 60, "too many rows skipped as ambiguous"
+  assert got_BV.sum(-1).min() >= 1 and got_BV.sum(-1).max() < V  # truncation did something
+
+
+def test_boundary_ties_are_all_kept():
+  """p = [.4, .2, .2, .1, .1]: sorted cumsum .4, .6 reaches 0.5 at a token tied with another.
+
+  top_p=0.5 keeps {0, 1, 2} (mass .8), not an arbitrary one of the tied 0.2s; top_k=2 likewise.
+  """
+  logits_1V = np.log(np.array([[0.4, 0.2, 0.2, 0.1, 0.1]], np.float32))
+  for cfg in (SamplingConfig(top_p=0.5), SamplingConfig(top_k=2)):
+    got = np.asarray(_mask(logits_1V, cfg))[0]
+    np.testing.assert_array_equal(got, [True, True, True, False, False], err_msg=repr(cfg))
+    np.testing.assert_array_equal(got, reference_keep(logits_1V[0], cfg)[0])
+  got = np.asarray(_mask(logits_1V, SamplingConfig(min_p=0.45)))[0]
+  np.testing.assert_array_equal(got, [True, True, True, False, False])  # .1 < .18 <= .2
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [SamplingConfig(top_k=4, top_p=0.8, temperature=0.8), SamplingConfig(temperature=1.5),
+     SamplingConfig(min_p=0.2)],
+    ids=repr,
+)
+def test_frequencies_match_truncated_distribution(cfg):
+  N = 20_000
+  logits_V = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0], np.float32)
+  keys_N = sequence_keys(jax.random.key(1), jnp.arange(N), jnp.zeros(N, jnp.int32))
+  tokens_N, _ = _sample(
+      jnp.broadcast_to(logits_V, (N, logits_V.size)), keys_N, cfg=cfg)
+  freq = np.bincount(np.asarray(tokens_N), minlength=logits_V.size) / N
+  keep, _ = reference_keep(logits_V, cfg)
+  p = np.where(keep, np.exp(logits_V / cfg.temperature), 0.0)
+  p /= p.sum()
+  # Each frequency is a binomial mean with std sqrt(p(1-p)/N) <= 0.0035; 5 std devs over 7
+  # tokens makes a false alarm ~1e-5 per test while a wrong order or renormalisation (>= 0.02
+  # off on some token here) still fails. Dropped tokens must have exactly zero count.
+  assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / N) + 1e-12), (freq, p)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [SamplingConfig(temperature=0.7), SamplingConfig(top_p=0.9, temperature=1.3),
+     SamplingConfig(top_k=20, min_p=0.02)],
+    ids=repr,
+)
+def test_logprob_is_full_vocab_log_softmax(cfg):
+  logits_BV = _random_logits(2, 32)
+  keys_B = jax.random.split(jax.random.key(3), 32)
+  tokens_B, logprobs_B = _sample(jnp.asarray(logits_BV), keys_B, cfg)
+  assert tokens_B.dtype == jnp.int32 and logprobs_B.dtype == jnp.float32
+  want_BV = np.asarray(jax.nn.log_softmax(jnp.asarray(logits_BV) / cfg.temperature, axis=-1))
+  want_B = np.take_along_axis(want_BV, np.asarray(tokens_B)[:, None], -1)[:, 0]
+  np.testing.assert_allclose(logprobs_B, want_B, atol=1e-6, rtol=0,
+                             err_msg="log-prob was renormalised or computed at another T")
+  keep_BV = np.asarray(_mask(logits_BV, cfg))
+  assert keep_BV[np.arange(32), np.asarray(tokens_B)].all(), "sampled a truncated token"
+
+
+def test_greedy_is_argmax_with_untempered_logprob():
+  logits_BV = np.array(_random_logits(4, 16))
+  logits_BV[0, [3, 9]] = logits_BV[0].max() + 1.0  # tie: argmax picks the lower index
+  cfg = SamplingConfig(greedy=True, temperature=0.0)
+  tokens_B, logprobs_B = _sample(jnp.asarray(logits_BV), None, cfg)
+  np.testing.assert_array_equal(tokens_B, logits_BV.argmax(-1))
+  assert tokens_B[0] == 3
+  want_BV = np.asarray(jax.nn.log_softmax(jnp.asarray(logits_BV), axis=-1))
+  np.testing.assert_allclose(logprobs_B, want_BV[np.arange(16), logits_BV.argmax(-1)], atol=1e-6)
+
+
+def test_top_k_one_equals_greedy():
+  logits_BV = jnp.asarray(_random_logits(5, 16))
+  keys_B = jax.random.split(jax.random.key(6), 16)
+  got = _sample(logits_BV, keys_B, SamplingConfig(top_k=1))
+  want = _sample(logits_BV, keys_B, SamplingConfig(greedy=True))
+  chex.assert_trees_all_close(got, want, atol=1e-6)
+
+
+def test_all_keeping_truncation_draws_like_fast_path():
+  """min_p tiny keeps every token, so the truncation path must consume the key identically."""
+  logits_BV = jnp.asarray(_random_logits(7, 16, scale=1.0))
+  keys_B = jax.random.split(jax.random.key(8), 16)
+  slow = SamplingConfig(min_p=1e-30)
+  assert slow.truncates and np.asarray(_mask(logits_BV, slow)).all()
+  chex.assert_trees_all_equal(_sample(logits_BV, keys_B, slow),
+                              _sample(logits_BV, keys_B, SamplingConfig()))
+
+
+def test_determinism_and_slot_independence():
+  cfg = SamplingConfig(top_p=0.9)
+  logits_BV = jnp.asarray(_random_logits(9, 12, scale=1.0))
+  seq_ids_B, positions_B = jnp.arange(100, 112), jnp.full(12, 5)
+  keys_B = sequence_keys(jax.random.key(10), seq_ids_B, positions_B)
+  tokens_B, logprobs_B = _sample(logits_BV, keys_B, cfg)
+  chex.assert_trees_all_equal((tokens_B, logprobs_B), _sample(logits_BV, keys_B, cfg))
+  perm = np.random.default_rng(0).permutation(12)
+  keys_perm = sequence_keys(jax.random.key(10), seq_ids_B[perm], positions_B[perm])
+  got = _sample(logits_BV[perm], keys_perm, cfg)
+  chex.assert_trees_all_equal(got, (tokens_B[perm], logprobs_B[perm]))
+  other_B, _ = _sample(logits_BV, jax.random.split(jax.random.key(11), 12), cfg)
+  assert (other_B != tokens_B).any(), "different keys gave identical samples"
+
+
+def test_sequence_keys_differ_per_sequence_and_position():
+  ids, pos = np.meshgrid(np.arange(8), np.arange(8), indexing="ij")
+  keys_B = sequence_keys(jax.random.key(0), jnp.asarray(ids.ravel()), jnp.asarray(pos.ravel()))
+  data_BK = np.asarray(jax.random.key_data(keys_B))
+  assert len({row.tobytes() for row in data_BK}) == 64
+  other = sequence_keys(jax.random.key(1), jnp.asarray(ids.ravel()), jnp.asarray(pos.ravel()))
+  assert (np.asarray(jax.random.key_data(other)) != data_BK).any(axis=-1).all()
+
+
+def test_compiles_once_for_a_fixed_config():
+  chex.clear_trace_counter()
+  fn = jax.jit(chex.assert_max_traces(sample_tokens, n=1), static_argnames="cfg")
+  cfg = SamplingConfig(top_k=5, top_p=0.9, min_p=0.01)
+  for seed in range(3):  # new values, same shapes: no retrace
+    keys_B = jax.random.split(jax.random.key(seed), 4)
+    jax.block_until_ready(fn(jnp.asarray(_random_logits(seed, 4)), keys_B, cfg=cfg))
+  assert hash(cfg) == hash(SamplingConfig(top_k=5, top_p=0.9, min_p=0.01))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+     (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
+     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.0), "top_k"),
+     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.0), "min_p")],
+)
+def test_config_validation(kwargs, field):
+  with pytest.raises(ValueError, match=f"{field}="):
+    SamplingConfig(**kwargs)
+
+
+def test_config_truncates_and_greedy_accepts_zero_temperature():
+  assert not SamplingConfig().truncates
+  assert all(c.truncates for c in CONFIGS)
+  assert SamplingConfig(greedy=True, temperature=0.0).greedy
