@@ -22,7 +22,12 @@ def rms_norm(x, scale, eps: float):
   """y = x / sqrt(mean(x^2) + eps) * scale, in float32, cast back to x's dtype."""
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+  return (y * lead_dims(scale.astype(jnp.float32), y.ndim)).astype(x.dtype)
+
+
+def lead_dims(w, ndim: int):
+  """`w` with leading unit dims up to `ndim` (explicit broadcasting: tests run with rank promotion off)."""
+  return w.reshape((1,) * (ndim - w.ndim) + w.shape)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -44,7 +49,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 def rope_angles(positions_BT, cfg: ModelConfig):
   """(cos_BTH, sin_BTH) for the rotate-half convention, float32."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-  freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
   freqs_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
   return jnp.cos(freqs_BTH), jnp.sin(freqs_BTH)
 

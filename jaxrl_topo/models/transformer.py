@@ -53,7 +53,7 @@ class Projection(nnx.Module):
 
   def __call__(self, x):
     y = jnp.einsum(self.spec, x, self.kernel[...].astype(x.dtype))
-    return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+    return y if self.bias is None else y + layers.lead_dims(self.bias[...].astype(x.dtype), y.ndim)
 
 
 class Attention(nnx.Module):

@@ -1,0 +1,44 @@
+# `make demo` and `make test` work on a fresh machine with only Python 3.11+ and pip:
+# each creates (or reuses) .venv in the repo root and installs what it needs into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Tests fake 8 CPU devices; the demo and launchers see the machine as it is.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: demo test test-fast lint install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Stamps re-run the install whenever pyproject.toml changes.
+$(VENV)/.core: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@ $(VENV)/.core
+
+install: $(VENV)/.core
+install-test: $(VENV)/.test
+
+demo: $(VENV)/.core
+	$(BIN)/python launchers/init_model.py --preset=tiny --out=runs/demo/tiny_model
+	$(BIN)/python launchers/generate.py --model=runs/demo/tiny_model --prompts=examples/prompts.jsonl \
+	  --out=runs/demo/completions.jsonl --chat --max_new_tokens=32 --temperature=0.8 --top_p=0.95
+	@echo "--- runs/demo/completions.jsonl (a random tiny model: the text is noise, the pipeline is real)"
+	@cut -c1-200 runs/demo/completions.jsonl
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+
+test: lint
+	$(TEST_ENV) $(BIN)/python -m pytest
+
+test-fast: lint
+	$(TEST_ENV) $(BIN)/python -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

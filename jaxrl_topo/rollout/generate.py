@@ -1,0 +1,129 @@
+"""Batch generation from a JSONL file of prompts: the library behind `launchers/generate.py`.
+
+Input lines are {"prompt": "text"} (chat template applied when chat=True) or {"prompt_ids": [ints]}.
+Output lines, in input order: completion_ids (stop token included when one ended the sequence),
+text, logprobs (rollout/sampling.py convention), finish_reason ("stop" or "length").
+
+Shapes are bucketed so the whole file compiles a handful of programs: the batch is always
+`batch_size` rows (short batches are padded with dummy rows) and prompt lengths are rounded up
+to a power of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_topo.models import hf_io
+from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
+from jaxrl_topo.rollout.dense import DecodeConfig, generate_dense
+from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
+
+_MIN_BUCKET = 8
+
+
+def read_prompts(path: str, tokenizer: Tokenizer | None, chat: bool) -> list[list[int]]:
+  """Token ids per line; errors name the line."""
+  prompts = []
+  with open(path) as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+      prompts.append(_prompt_ids(row, tokenizer, chat, f"{path}:{lineno}"))
+  if not prompts:
+    raise ValueError(f"{path}: no prompts")
+  return prompts
+
+
+def _prompt_ids(row: Any, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
+  if not isinstance(row, dict) or ("prompt" in row) == ("prompt_ids" in row):
+    raise ValueError(f"{where}: each line needs exactly one of 'prompt' (text) or 'prompt_ids' (ints)")
+  if "prompt_ids" in row:
+    ids = row["prompt_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+      raise ValueError(f"{where}: prompt_ids must be a list of ints")
+  else:
+    if tokenizer is None:
+      raise ValueError(f"{where}: a text prompt needs tokenizer.json in the model directory")
+    text = row["prompt"]
+    ids = (tokenizer.apply_chat_template_ids([{"role": "user", "content": text}]) if chat
+           else tokenizer.encode(text))
+  if not ids:
+    raise ValueError(f"{where}: empty prompt")
+  return ids
+
+
+def _bucket(n: int) -> int:
+  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  completion_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str
+
+
+def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: DecodeConfig, *, seed: int = 0,
+                 batch_size: int = 8, vocab_size: int | None = None, mesh=None,
+                 progress: bool = False) -> list[Completion]:
+  """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position)."""
+  for i, p in enumerate(prompts):
+    if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+      raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size})")
+  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
+  batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+  key = jax.random.key(seed)
+  batch_sharding = NamedSharding(mesh, PartitionSpec("data")) if mesh is not None else None
+  out: dict[int, Completion] = {}
+  for idx in tqdm.tqdm(batches, desc="generate", unit="batch", disable=not progress):
+    T = _bucket(max(len(prompts[i]) for i in idx))
+    rows = np.full((batch_size, T), decode.pad_id, np.int32)
+    lens = np.ones((batch_size,), np.int32)  # dummy rows: one pad token
+    seq_ids = np.full((batch_size,), -1, np.int32)
+    for r, i in enumerate(idx):
+      rows[r, : len(prompts[i])], lens[r], seq_ids[r] = prompts[i], len(prompts[i]), i
+    args = [jax.device_put(a, batch_sharding) for a in (rows, lens, seq_ids)]
+    toks, lps, n, stopped = jax.device_get(generate_dense(graphdef, params, *args, key, decode=decode))
+    for r, i in enumerate(idx):
+      out[i] = Completion(toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist(), "stop" if stopped[r] else "length")
+  return [out[i] for i in range(len(prompts))]
+
+
+def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,
+        sampling: SamplingConfig = SamplingConfig(greedy=True), seed: int = 0, chat: bool = False,
+        batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1) -> list[dict]:
+  """Reads prompts, generates, writes `out_path`; returns the written rows."""
+  tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+  prompts = read_prompts(prompts_path, tokenizer, chat)
+  if batch_size % data:
+    raise ValueError(f"batch_size={batch_size} must be a multiple of data={data}")
+  mesh = make_mesh({"data": data, "tensor": tensor}, jax.devices()[: data * tensor]) if data * tensor > 1 else None
+  cfg, graphdef, params = hf_io.load_model(model_dir, mesh, ROLLOUT_RULES if mesh else None, dtype=dtype)
+  eos = tokenizer.eos_token_ids if tokenizer else read_eos_token_ids(model_dir)
+  pad = tokenizer.pad_token_id if tokenizer and tokenizer.pad_token_id is not None else 0
+  logging.info("model %s: %s layers, vocab %d; %d prompts; eos ids %s", model_dir, cfg.n_layers, cfg.vocab_size,
+               len(prompts), eos)
+  decode = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos), pad_id=pad)
+  completions = generate_ids(graphdef, params, prompts, decode, seed=seed, batch_size=batch_size,
+                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True)
+  rows = [dict(completion_ids=c.completion_ids, text=tokenizer.decode(c.completion_ids) if tokenizer else None,
+               logprobs=c.logprobs, finish_reason=c.finish_reason) for c in completions]
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  with open(out_path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return rows
