@@ -45,9 +45,9 @@ def _nested(flat: list[tuple[tuple, Any]]) -> Params:
   return out
 
 
-def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None):
+def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None, remat: bool = False):
   """(graphdef, AbstractParams) without allocating anything."""
-  model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), sharding))
+  model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), sharding, remat))
   graphdef, state = nnx.split(model, nnx.Param)
   flat = list(nnx.to_flat_state(state))
   shapes = _nested([(p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, v in flat])

@@ -112,10 +112,14 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """`logits_BTV, cache = model(tokens_BT, positions_BT, segment_ids_BT, cache)`; logits are fp32."""
+  """`logits_BTV, cache = model(tokens_BT, positions_BT, segment_ids_BT, cache)`; logits are fp32.
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sharding: ActivationSharding | None = None):
-    self.cfg, self.sharding = cfg, sharding
+  remat=True rematerialises each block in the backward pass (training only; ignored with a cache).
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sharding: ActivationSharding | None = None,
+               remat: bool = False):
+    self.cfg, self.sharding, self.remat = cfg, sharding, remat
     p = cfg.param_dtype
     self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), p)
     self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
@@ -134,7 +138,11 @@ class Transformer(nnx.Module):
       seg_BT = jnp.zeros_like(tokens_BT) if segment_ids_BT is None else segment_ids_BT
       mask_BTS = layers.causal_segment_mask(seg_BT)
     for i, block in enumerate(self.layers):
-      x_BTD, cache = block(x_BTD, rope, mask_BTS, positions_BT, cache, i, sharding)
+      if self.remat and cache is None:  # training: keep only each block's input, recompute inside it
+        x_BTD = nnx.remat(lambda b, x, r, m, p, i=i: b(x, r, m, p, None, i, sharding)[0])(
+            block, x_BTD, rope, mask_BTS, positions_BT)
+      else:
+        x_BTD, cache = block(x_BTD, rope, mask_BTS, positions_BT, cache, i, sharding)
     return self.norm(x_BTD), cache
 
   def unembed_DV(self):

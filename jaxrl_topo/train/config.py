@@ -1,0 +1,108 @@
+"""Typed, frozen settings of the trainer: what the ml-collections config becomes at the boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+SCHEDULES = ("constant", "cosine")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+CRITICS = ("none", "shared", "separate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+  """AdamW with linear warm-up, then constant or cosine decay to `final_lr_frac * lr`; global-norm clip."""
+
+  lr: float = 1e-6
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  total_steps: int = 0  # needed by the cosine schedule
+  final_lr_frac: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0  # 0 = no clipping
+
+  def __post_init__(self):
+    if not self.lr > 0:
+      raise ValueError(f"OptimConfig.lr={self.lr} must be > 0")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+    if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+      raise ValueError(f"cosine schedule needs total_steps > warmup_steps, got {self.total_steps=} "
+                       f"{self.warmup_steps=}")
+    if self.warmup_steps < 0 or self.max_grad_norm < 0:
+      raise ValueError("OptimConfig.warmup_steps and max_grad_norm must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """The RL objective, every choice by name (rl/ holds the formulas)."""
+
+  group_size: int  # completions per prompt; sequences are group-major
+  advantage: str = "grpo"
+  policy_loss: str = "ppo"
+  agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+  clip_low: float = 0.2
+  clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
+  dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens by c*|A|
+  kl_coef: float = 0.0
+  kl_kind: str = "k3"  # k1 | k2 | k3
+  kl_in_reward: bool = False  # True: -kl_coef*KL is added to the token rewards; False: a loss term
+  entropy_coef: float = 0.0
+  is_cap: float | None = 2.0  # truncated importance weight min(pi_old/mu, cap) vs the sampler; None = off
+  is_mask_low: float | None = None  # drop tokens whose pi_old/mu lies outside [low, high]
+  is_mask_high: float | None = None
+  critic: str = "none"  # none | shared (value head on the policy backbone) | separate (own backbone)
+  value_coef: float = 0.5
+  value_clip: float = 0.2
+  gamma: float = 1.0
+  lam: float = 0.95
+  temperature: float = 1.0  # the rollout temperature: logits are divided by it (sampling convention)
+  logprob_chunk: int = 1024  # tokens per chunk of the output projection
+
+  def __post_init__(self):
+    if self.advantage not in ADVANTAGES:
+      raise ValueError(f"LossConfig.advantage={self.advantage!r}; expected one of {ADVANTAGES}")
+    if self.policy_loss not in POLICY_LOSSES:
+      raise ValueError(f"LossConfig.policy_loss={self.policy_loss!r}; expected one of {POLICY_LOSSES}")
+    if self.critic not in CRITICS:
+      raise ValueError(f"LossConfig.critic={self.critic!r}; expected one of {CRITICS}")
+    if (self.advantage == "gae") != (self.critic != "none"):
+      raise ValueError(f"advantage={self.advantage!r} with critic={self.critic!r}: GAE needs a critic and only "
+                       "GAE uses one")
+    if self.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.group_size < 2:
+      raise ValueError(f"advantage={self.advantage!r} compares completions of a prompt: group_size must be >= 2")
+    if self.kl_kind not in ("k1", "k2", "k3"):
+      raise ValueError(f"LossConfig.kl_kind={self.kl_kind!r}; expected k1, k2 or k3")
+    if self.clip_low < 0 or self.clip_high < 0 or (self.dual_clip is not None and self.dual_clip <= 1):
+      raise ValueError("clip_low/clip_high must be >= 0 and dual_clip > 1")
+    if not self.temperature > 0 or self.logprob_chunk <= 0:
+      raise ValueError("temperature must be > 0 and logprob_chunk positive")
+
+  @property
+  def needs_ref(self) -> bool:
+    return self.kl_coef > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """Low-rank adapters W + (alpha/rank) A B on the named projections; rank 0 = full fine-tuning."""
+
+  rank: int = 0
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  loss: LossConfig
+  optim: OptimConfig = OptimConfig()
+  lora: LoraConfig = LoraConfig()
+  seed: int = 0

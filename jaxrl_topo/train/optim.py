@@ -1,0 +1,25 @@
+"""The optax chain: global-norm clipping, AdamW, warm-up + constant/cosine schedule.
+
+Moments live in fp32 next to fp32 master params (optax keeps each moment in its param's dtype).
+"""
+
+from __future__ import annotations
+
+import optax
+
+from jaxrl_topo.train.config import OptimConfig
+
+
+def learning_rate(cfg: OptimConfig) -> optax.Schedule:
+  warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else None
+  if cfg.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(cfg.lr, cfg.total_steps - cfg.warmup_steps, alpha=cfg.final_lr_frac)
+  else:
+    decay = optax.constant_schedule(cfg.lr)
+  return optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+  adam = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+  return optax.chain(*clip, adam)

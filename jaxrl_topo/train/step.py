@@ -1,0 +1,239 @@
+"""The pure, sharded RL train step: `new_state, metrics = step(state, batch)`.
+
+One step on a TrainBatch of M microbatches:
+  1. (no grad) reference log-probs and old values, one microbatch at a time;
+  2. advantages over the GLOBAL batch (group statistics, whitening, GAE);
+  3. `lax.scan` over microbatches accumulating gradients of the loss, each microbatch's loss
+     already divided by the global normalisers, so the sum IS the full-batch loss: results do
+     not depend on the microbatch count, the padding/packing layout or the data-parallel width;
+  4. optax update, rejected (params and optimizer state untouched, `rejected` + 1) if the loss
+     or the gradient is not finite.
+The step is deterministic: nothing in it samples, so it needs no RNG. Letters as in batch.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_topo.rl import advantages as adv_lib
+from jaxrl_topo.rl import losses as loss_lib
+from jaxrl_topo.rl.core import aggregate, masked_mean, masked_whiten, normalizers
+from jaxrl_topo.rl.offpolicy import truncated_is_weight
+from jaxrl_topo.train.batch import TrainBatch
+from jaxrl_topo.train.config import LossConfig, TrainConfig
+from jaxrl_topo.train.lora import merge_lora
+from jaxrl_topo.train.optim import learning_rate
+from jaxrl_topo.train.policy import PolicyFns, sequence_hidden, sequence_logprobs
+from jaxrl_topo.train.state import TrainState
+
+_MICRO_FIELDS = ("tokens_MRS", "positions_MRS", "segment_ids_MRS", "gather_MBT", "targets_MBT", "mask_MBT",
+                 "sampler_logp_MBT", "old_logp_MBT")
+
+
+def _micro(batch: TrainBatch) -> dict:
+  """The per-microbatch arrays, stacked on a leading M axis (what the scans iterate over)."""
+  return {k: getattr(batch, k) for k in _MICRO_FIELDS if getattr(batch, k) is not None}
+
+
+def _rows(mb: dict) -> tuple:
+  return mb["tokens_MRS"], mb["positions_MRS"], mb["segment_ids_MRS"]
+
+
+def _logprobs(fns: PolicyFns, params, mb: dict, lc: LossConfig):
+  return sequence_logprobs(fns, params, _rows(mb), mb["gather_MBT"], mb["targets_MBT"],
+                           temperature=lc.temperature, chunk=lc.logprob_chunk)
+
+
+def _values(fns: PolicyFns, trainable: dict, mb: dict, h_BTD):
+  """V(s_t) per response token: the value head on the policy's (shared) or the critic's hidden states."""
+  if "critic" in trainable:
+    h_BTD = sequence_hidden(fns, trainable["critic"]["backbone"], _rows(mb), mb["gather_MBT"])
+    head = trainable["critic"]["value_head"]
+  else:
+    head = trainable["value_head"]
+  return jnp.einsum("BTD,D->BT", h_BTD.astype(jnp.float32), head)
+
+
+def _policy(state: TrainState, trainable: dict, cfg: TrainConfig):
+  return merge_lora(state.frozen, trainable["policy"], cfg.lora) if cfg.lora.enabled else trainable["policy"]
+
+
+def _prepass(state: TrainState, micro: dict, fns: PolicyFns, cfg: TrainConfig) -> dict:
+  """Reference log-probs and old values for every microbatch, without gradients."""
+  lc = cfg.loss
+  ref_params = state.frozen if cfg.lora.enabled else state.ref
+
+  def one(mb):
+    out = {}
+    if lc.needs_ref:
+      out["ref_logp"] = _logprobs(fns, ref_params, mb, lc)[0]
+    if lc.critic != "none":
+      h_BTD = None
+      if lc.critic == "shared":
+        h_BTD = sequence_hidden(fns, _policy(state, state.params, cfg), _rows(mb), mb["gather_MBT"])
+      out["old_values"] = _values(fns, state.params, mb, h_BTD)
+    return out
+
+  if not (lc.needs_ref or lc.critic != "none"):
+    return {}
+  return jax.lax.stop_gradient(jax.lax.map(one, micro))
+
+
+def _advantages(batch: TrainBatch, pre: dict, lc: LossConfig):
+  """(adv_MBT, returns_MBT or None) over the global batch."""
+  M, B, T = batch.mask_MBT.shape
+  mask_NT = batch.mask_MBT.reshape(M * B, T)
+  rewards_N = batch.rewards_MB.reshape(M * B)
+  flat = lambda x: x.reshape(M * B, T)
+  returns = None
+  if lc.advantage in adv_lib.ADVANTAGE_FNS:
+    adv_NT = adv_lib.ADVANTAGE_FNS[lc.advantage](rewards_N, lc.group_size, mask_NT)
+  else:
+    token_r_NT = adv_lib.sequence_rewards_to_tokens(rewards_N, mask_NT)
+    if lc.kl_in_reward:  # the KL of the sampled tokens (sampler log-probs stand in for the old policy)
+      kl_NT = loss_lib.kl_penalty(flat(batch.sampler_logp_MBT), flat(pre["ref_logp"]), lc.kl_kind, mask_BT=mask_NT)
+      token_r_NT = token_r_NT - lc.kl_coef * jnp.where(mask_NT != 0, kl_NT, 0.0)
+    if lc.advantage == "reinforce_pp":
+      adv_NT = adv_lib.reinforce_pp(token_r_NT, mask_NT, gamma=lc.gamma)
+    else:
+      adv_NT, ret_NT = adv_lib.gae(token_r_NT, flat(pre["old_values"]), mask_NT, gamma=lc.gamma, lam=lc.lam)
+      adv_NT, returns = masked_whiten(adv_NT, mask_NT), ret_NT.reshape(M, B, T)
+  return adv_NT.reshape(M, B, T), returns
+
+
+def _policy_loss(logp, old, adv, keep, lc: LossConfig):
+  if lc.policy_loss == "ppo":
+    return loss_lib.ppo_clip(logp, old, adv, keep, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                             dual_clip=lc.dual_clip)
+  if lc.policy_loss == "gspo":
+    return loss_lib.gspo(logp, old, adv, keep, clip_low=lc.clip_low, clip_high=lc.clip_high)
+  return loss_lib.cispo(logp, old, adv, keep, clip_high=lc.clip_high, clip_low=lc.clip_low)
+
+
+def _micro_loss(trainable, state, mb, extra, norm, *, fns: PolicyFns, cfg: TrainConfig):
+  """This microbatch's share of the global loss, and its metrics weighted for combination."""
+  lc = cfg.loss
+  mask = mb["mask_MBT"]
+  logp, ent, h_BTD = _logprobs(fns, _policy(state, trainable, cfg), mb, lc)
+  old = mb["old_logp_MBT"] if "old_logp_MBT" in mb else jax.lax.stop_gradient(logp)  # on-policy: ratio == 1
+  metrics = {}
+  if lc.is_cap is not None:
+    w, keep, metrics = truncated_is_weight(old, mb["sampler_logp_MBT"], mask, cap=lc.is_cap,
+                                           mask_low=lc.is_mask_low, mask_high=lc.is_mask_high)
+  else:
+    w, keep = jnp.ones_like(logp), mask
+  loss_BT, policy_metrics = _policy_loss(logp, old, extra["adv"], keep, lc)
+  loss_BT = loss_BT * w
+  metrics.update(policy_metrics)
+  if lc.needs_ref and not lc.kl_in_reward:
+    kl_BT, kl_metrics = loss_lib.kl_loss(logp, extra["ref_logp"], keep, kind=lc.kl_kind)
+    loss_BT, metrics = loss_BT + lc.kl_coef * kl_BT, {**metrics, **kl_metrics}
+  if lc.entropy_coef:
+    loss_BT = loss_BT - lc.entropy_coef * ent
+  total = aggregate(jnp.where(keep != 0, loss_BT, 0.0), mask, lc.agg, norm)
+  metrics["entropy/mean"] = masked_mean(jax.lax.stop_gradient(ent), mask)
+  if lc.critic != "none":
+    values = _values(fns, trainable, mb, h_BTD)
+    vl_BT, v_metrics = loss_lib.value_loss(values, extra["old_values"], extra["returns"], mask, clip=lc.value_clip)
+    total = total + lc.value_coef * aggregate(vl_BT, mask, "token-mean", norm)
+    metrics.update(v_metrics)
+  return total, metrics
+
+
+def _combine(acc: dict, metrics: dict, n_tok) -> dict:
+  """Token-weighted sums for means, running max for maxima."""
+  out = {}
+  for k, v in metrics.items():
+    out[k] = jnp.maximum(acc[k], v) if k.endswith("_max") else acc[k] + v * n_tok
+  return out
+
+
+def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: TrainConfig,
+               tx: optax.GradientTransformation):
+  """(state, batch) -> (state, metrics): see the module docstring."""
+  lc = cfg.loss
+  micro = _micro(batch)
+  M, B, T = batch.mask_MBT.shape
+  norm = normalizers(batch.mask_MBT.reshape(M * B, T))
+  pre = _prepass(state, micro, fns, cfg)
+  adv_MBT, returns_MBT = _advantages(batch, pre, lc)
+  extras = {"adv": adv_MBT, **pre}
+  if returns_MBT is not None:
+    extras["returns"] = returns_MBT
+  grad_fn = jax.value_and_grad(functools.partial(_micro_loss, fns=fns, cfg=cfg), has_aux=True)
+
+  def body(carry, xs):
+    grads_acc, loss_acc, metrics_acc = carry
+    mb, extra = xs
+    (loss, metrics), grads = grad_fn(state.params, state, mb, extra, norm)
+    n_tok = jnp.sum(mb["mask_MBT"])
+    carry = (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, _combine(metrics_acc, metrics, n_tok))
+    return carry, None
+
+  metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, state, *jax.tree.map(lambda x: x[0], (micro, extras)),
+                                                 norm)[0][1])
+  zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+           {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in metric_shapes.items()})
+  (grads, loss, metric_sums), _ = jax.lax.scan(body, zeros, (micro, extras))
+  metrics = {k: v if k.endswith("_max") else v / norm.n_tokens for k, v in metric_sums.items()}
+
+  grad_norm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  rewards = batch.rewards_MB.reshape(-1)
+  metrics.update({
+      "loss": loss, "grad_norm": grad_norm, "lr": learning_rate(cfg.optim)(state.step),
+      "reward/mean": jnp.mean(rewards), "reward/std": jnp.std(rewards),
+      "adv/mean": masked_mean(adv_MBT, batch.mask_MBT), "tokens": norm.n_tokens,
+      "response_len/mean": norm.n_tokens / (M * B), "step_ok": ok.astype(jnp.float32),
+  })
+  new_state = state.replace(step=state.step + 1, params=keep_old(params, state.params),
+                            opt_state=keep_old(opt_state, state.opt_state),
+                            rejected=state.rejected + (~ok).astype(jnp.int32))
+  return new_state, metrics
+
+
+def batch_axes(mesh, rules) -> tuple[str, ...]:
+  """The mesh axes the rules send the logical `batch` dim to (those the mesh has)."""
+  target = dict(rules).get("batch")
+  axes = (target,) if isinstance(target, str) else tuple(target or ())
+  return tuple(a for a in axes if a in mesh.shape)
+
+
+def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransformation, state: TrainState,
+                    *, mesh=None, rules=None):
+  """The jitted step: in/out shardings from `state` (and batch over the rules' `batch` axes), state donated.
+
+  Batch arrays are [M, rows or sequences, ...]: dim 1 is split over the data-parallel axes, so
+  the per-microbatch row/sequence counts must divide by their product (checked in `check_batch`).
+  """
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  batch_sharding = metric_sharding = None
+  if mesh is not None:
+    batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh, rules) or None))
+    metric_sharding = NamedSharding(mesh, PartitionSpec())
+  step = functools.partial(train_step, fns=fns, cfg=cfg, tx=tx)
+  return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),
+                 donate_argnums=0)
+
+
+def check_batch(batch: TrainBatch, mesh, rules, group_size: int) -> None:
+  """Raises before compilation if `batch` can't be split over the mesh or breaks prompt groups."""
+  M, R, _ = batch.tokens_MRS.shape
+  B = batch.mask_MBT.shape[1]
+  ways = 1
+  if mesh is not None:
+    for a in batch_axes(mesh, rules):
+      ways *= mesh.shape[a]
+  if R % ways or B % ways:
+    raise ValueError(f"batch has {R} rows and {B} sequences per microbatch; both must divide by the "
+                     f"data-parallel width {ways} ({batch_axes(mesh, rules)})")
+  if (M * B) % group_size:
+    raise ValueError(f"{M * B} sequences are not whole groups of group_size={group_size}")
