@@ -19,6 +19,7 @@ import jax.numpy as jnp
 def logprobs_from_logits(logits_NV, targets_N, temperature: float = 1.0):
   """(logp_N, entropy_N) from explicit logits, in fp32: the reference the chunked path must match."""
   logits_NV = logits_NV.astype(jnp.float32) / temperature
+  logits_NV = logits_NV - jax.lax.stop_gradient(logits_NV.max(axis=-1, keepdims=True))  # entropy: no cancellation
   logz_N = jax.nn.logsumexp(logits_NV, axis=-1)
   logp_N = jnp.take_along_axis(logits_NV, targets_N[:, None], axis=-1)[:, 0] - logz_N
   probs_NV = jnp.exp(logits_NV - logz_N[:, None])
