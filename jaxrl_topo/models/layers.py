@@ -90,6 +90,8 @@ class DenseKVCache:
   Writing at the query positions and masking keys to s <= position makes prefill and one-token
   decode the same code path. Entries past a row's position (right-padding of a prefill, say) are
   never read: the next decode step overwrites them before its own mask admits them.
+  The caller sizes it: a position >= max_len is dropped on write (no error inside jit), so
+  `generate_dense` allocates prompt bucket + max_new_tokens slots.
   """
 
   k_LBSKH: jax.Array
