@@ -53,7 +53,8 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 # (total, non-embedding) parameters in billions, as printed on each model's release card, to the
-# precision printed there (rounded, except llama-3.2-1b's 1.2358 and qwen2.5-7b's 7.6156, truncated). Non-embedding = total minus the input embedding and an untied lm_head;
+# precision printed there (rounded, except llama-3.2-1b's 1.2358 and qwen2.5-7b's 7.6156, truncated).
+# Non-embedding = total minus the input embedding and an untied lm_head;
 # the Llama cards give no such figure.
 PUBLISHED_PARAMS_B: dict[str, tuple[str, str | None]] = {
     "qwen2.5-0.5b": ("0.49", "0.36"),

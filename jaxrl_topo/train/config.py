@@ -7,6 +7,7 @@ import dataclasses
 SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/core.py
 CRITICS = ("none", "shared", "separate")
 
 
@@ -68,6 +69,8 @@ class LossConfig:
       raise ValueError(f"LossConfig.advantage={self.advantage!r}; expected one of {ADVANTAGES}")
     if self.policy_loss not in POLICY_LOSSES:
       raise ValueError(f"LossConfig.policy_loss={self.policy_loss!r}; expected one of {POLICY_LOSSES}")
+    if self.agg not in AGGREGATIONS:
+      raise ValueError(f"LossConfig.agg={self.agg!r}; expected one of {AGGREGATIONS}")
     if self.critic not in CRITICS:
       raise ValueError(f"LossConfig.critic={self.critic!r}; expected one of {CRITICS}")
     if (self.advantage == "gae") != (self.critic != "none"):
