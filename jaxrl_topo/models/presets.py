@@ -31,7 +31,7 @@ def _llama(**kw) -> ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # ~0.3M parameters; the char tokenizer of models/tokenizer.py fits in its vocabulary.
+    # 82,304 parameters; the char tokenizer of models/tokenizer.py fits in its vocabulary.
     "tiny": ModelConfig(family="qwen3", vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=16, d_ff=128, qk_norm=True, tie_embeddings=True, max_position=512,
                         dtype="float32"),

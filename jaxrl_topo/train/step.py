@@ -182,7 +182,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
   (grads, loss, metric_sums), _ = jax.lax.scan(body, zeros, (micro, extras))
   metrics = {k: v if k.endswith("_max") else v / norm.n_tokens for k, v in metric_sums.items()}
 
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
