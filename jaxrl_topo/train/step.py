@@ -115,11 +115,14 @@ def _policy_loss(logp, old, adv, keep, lc: LossConfig):
   return loss_lib.cispo(logp, old, adv, keep, clip_high=lc.clip_high, clip_low=lc.clip_low)
 
 
-def _micro_loss(trainable, state, mb, extra, norm, *, fns: PolicyFns, cfg: TrainConfig):
-  """This microbatch's share of the global loss, and its metrics weighted for combination."""
-  lc = cfg.loss
+def _token_terms(logp, ent, values, mb: dict, extra: dict, lc: LossConfig):
+  """(loss_BT, value_loss_BT or None, metrics) from per-token quantities: the objective in one place.
+
+  The scan differentiates loss_BT microbatch by microbatch; after it, the same function runs once
+  over the whole batch's (stopped) per-token quantities for the metrics, so the ESS, per-sequence
+  ratios and clip fractions are exact global figures whatever the microbatching.
+  """
   mask = mb["mask_MBT"]
-  logp, ent, h_BTD = _logprobs(fns, _policy(state, trainable, cfg), mb, lc)
   old = mb["old_logp_MBT"] if "old_logp_MBT" in mb else jax.lax.stop_gradient(logp)  # on-policy: ratio == 1
   metrics = {}
   if lc.is_cap is not None:
@@ -135,22 +138,33 @@ def _micro_loss(trainable, state, mb, extra, norm, *, fns: PolicyFns, cfg: Train
     loss_BT, metrics = loss_BT + lc.kl_coef * kl_BT, {**metrics, **kl_metrics}
   if lc.entropy_coef:
     loss_BT = loss_BT - lc.entropy_coef * ent
-  total = aggregate(jnp.where(keep != 0, loss_BT, 0.0), mask, lc.agg, norm)
   metrics["entropy/mean"] = masked_mean(jax.lax.stop_gradient(ent), mask)
-  if lc.critic != "none":
-    values = _values(fns, trainable, mb, h_BTD)
-    vl_BT, v_metrics = loss_lib.value_loss(values, extra["old_values"], extra["returns"], mask, clip=lc.value_clip)
-    total = total + lc.value_coef * aggregate(vl_BT, mask, "token-mean", norm)
+  value_BT = None
+  if values is not None:
+    value_BT, v_metrics = loss_lib.value_loss(values, extra["old_values"], extra["returns"], mask, clip=lc.value_clip)
     metrics.update(v_metrics)
-  return total, metrics
+  return jnp.where(keep != 0, loss_BT, 0.0), value_BT, metrics
 
 
-def _combine(acc: dict, metrics: dict, n_tok) -> dict:
-  """Token-weighted sums for means, running max for maxima."""
-  out = {}
-  for k, v in metrics.items():
-    out[k] = jnp.maximum(acc[k], v) if k.endswith("_max") else acc[k] + v * n_tok
-  return out
+def _micro_loss(trainable, state, mb, extra, norm, *, fns: PolicyFns, cfg: TrainConfig):
+  """This microbatch's share of the global loss, plus its per-token quantities for the metrics."""
+  lc = cfg.loss
+  logp, ent, h_BTD = _logprobs(fns, _policy(state, trainable, cfg), mb, lc)
+  values = _values(fns, trainable, mb, h_BTD) if lc.critic != "none" else None
+  loss_BT, value_BT, _ = _token_terms(logp, ent, values, mb, extra, lc)
+  total = aggregate(loss_BT, mb["mask_MBT"], lc.agg, norm)
+  if value_BT is not None:
+    total = total + lc.value_coef * aggregate(value_BT, mb["mask_MBT"], "token-mean", norm)
+  per_token = {"logp": logp, "ent": ent} if values is None else {"logp": logp, "ent": ent, "values": values}
+  return total, jax.lax.stop_gradient(per_token)
+
+
+def _global_metrics(per_token_MBT: dict, micro: dict, extras: dict, lc: LossConfig) -> dict:
+  """The objective's diagnostics over the whole batch at once (M folded into B)."""
+  flat = lambda x: x.reshape(-1, *x.shape[2:])
+  t = {k: flat(v) for k, v in per_token_MBT.items()}
+  micro, extras = jax.tree.map(flat, micro), jax.tree.map(flat, extras)
+  return _token_terms(t["logp"], t["ent"], t.get("values"), micro, extras, lc)[2]
 
 
 def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: TrainConfig,
@@ -168,19 +182,14 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
   grad_fn = jax.value_and_grad(functools.partial(_micro_loss, fns=fns, cfg=cfg), has_aux=True)
 
   def body(carry, xs):
-    grads_acc, loss_acc, metrics_acc = carry
+    grads_acc, loss_acc = carry
     mb, extra = xs
-    (loss, metrics), grads = grad_fn(state.params, state, mb, extra, norm)
-    n_tok = jnp.sum(mb["mask_MBT"])
-    carry = (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, _combine(metrics_acc, metrics, n_tok))
-    return carry, None
+    (loss, per_token), grads = grad_fn(state.params, state, mb, extra, norm)
+    return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), per_token
 
-  metric_shapes = jax.eval_shape(lambda: grad_fn(state.params, state, *jax.tree.map(lambda x: x[0], (micro, extras)),
-                                                 norm)[0][1])
-  zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
-           {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in metric_shapes.items()})
-  (grads, loss, metric_sums), _ = jax.lax.scan(body, zeros, (micro, extras))
-  metrics = {k: v if k.endswith("_max") else v / norm.n_tokens for k, v in metric_sums.items()}
+  zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32))
+  (grads, loss), per_token_MBT = jax.lax.scan(body, zeros, (micro, extras))
+  metrics = _global_metrics(per_token_MBT, micro, extras, lc)
 
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
