@@ -16,6 +16,7 @@ Name mapping (ours <-> HF), with the layout change each needs:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_topo.models.config import ModelConfig, from_hf_dict, to_hf_dict
-from jaxrl_topo.models.model import Params, abstract_model, param_shardings
+from jaxrl_topo.models.model import Params, abstract_model, nest, param_shardings
 from jaxrl_topo.topology.rules import ActivationSharding, Rules
 
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt")
@@ -161,23 +162,13 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rule
       sharding_ = _at(shardings, path)
       leaves[path] = jax.make_array_from_callback(
           sds.shape, sharding_, lambda idx, v=view, dt=sds.dtype: np.ascontiguousarray(v[idx]).astype(dt))
-  return graphdef, _unflat(leaves)
+  return graphdef, nest(leaves.items())
 
 
 def _at(tree: Params, path: tuple):
   for key in path:
     tree = tree[key]
   return tree
-
-
-def _unflat(leaves: dict[tuple, Any]) -> Params:
-  out: Params = {}
-  for path, value in leaves.items():
-    node = out
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return out
 
 
 def load_model(model_dir: str, mesh: Mesh | None = None, rules: Rules | None = None, **cfg_overrides):
@@ -226,16 +217,12 @@ def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str |
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
              "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
     _write_json(os.path.join(model_dir, "model.safetensors.index.json"), index)
-  hf_cfg = to_hf_dict(dataclass_with_dtype(cfg, dtype), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+  hf_cfg = to_hf_dict(dataclasses.replace(cfg, param_dtype=dtype), bos_token_id=bos_token_id,
+                      eos_token_id=eos_token_id)
   _write_json(os.path.join(model_dir, "config.json"), hf_cfg)
   if eos_token_id is not None or bos_token_id is not None:
     gen = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
     _write_json(os.path.join(model_dir, "generation_config.json"), gen)
-
-
-def dataclass_with_dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
-  import dataclasses
-  return dataclasses.replace(cfg, param_dtype=dtype)
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:

@@ -35,7 +35,8 @@ class AbstractParams:
   axes: Params  # leaves: tuple[str, ...]; map with `shapes` first so each tuple arrives whole
 
 
-def _nested(flat: list[tuple[tuple, Any]]) -> Params:
+def nest(flat) -> Params:
+  """{path tuple: leaf} pairs -> the nested params dict."""
   out: Params = {}
   for path, value in flat:
     node = out
@@ -50,8 +51,8 @@ def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None,
   model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), sharding, remat))
   graphdef, state = nnx.split(model, nnx.Param)
   flat = list(nnx.to_flat_state(state))
-  shapes = _nested([(p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, v in flat])
-  axes = _nested([(p, tuple(v.get_metadata()["logical_axes"])) for p, v in flat])
+  shapes = nest([(p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, v in flat])
+  axes = nest([(p, tuple(v.get_metadata()["logical_axes"])) for p, v in flat])
   return graphdef, AbstractParams(shapes=shapes, axes=axes)
 
 

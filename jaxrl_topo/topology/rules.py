@@ -36,19 +36,7 @@ TRAIN_RULES: Rules = (
 )
 
 # Rollout: weights whole on each data replica, tensor-parallel inside it; decode slots over `data`.
-ROLLOUT_RULES: Rules = (
-    ("batch", "data"),
-    ("length", None),
-    ("embed", None),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("layers", None),
-    ("cache_length", None),
-)
-
+ROLLOUT_RULES: Rules = tuple((name, {"batch": "data", "embed": None}.get(name, axes)) for name, axes in TRAIN_RULES)
 
 def make_mesh(axes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh with Auto (GSPMD) axes over `devices` (default: all), e.g. {"fsdp": 4, "tensor": 2}."""
