@@ -22,12 +22,13 @@ class SyncMismatch(AssertionError):
   """A destination shard differs from the bf16 cast of the source."""
 
 
-def _check_shards(tree, want_leaves, what: str) -> None:
+def _check_shards(tree, want_leaves, dtype, what: str) -> None:
+  """Every shard this process holds equals `want` (full host arrays) cast to `dtype`, bit for bit."""
   for y, want in zip(jax.tree.leaves(tree), want_leaves, strict=True):
-    if y.dtype != jnp.bfloat16:
-      raise SyncMismatch(f"{what}: dtype {y.dtype}, expected bfloat16")
+    if y.dtype != dtype:
+      raise SyncMismatch(f"{what}: dtype {y.dtype}, expected {jnp.dtype(dtype)}")
     for s in y.addressable_shards:
-      if not np.array_equal(np.asarray(s.data), np.asarray(want[s.index]).astype(jnp.bfloat16)):
+      if not np.array_equal(np.asarray(s.data), np.asarray(want[s.index]).astype(dtype)):
         raise SyncMismatch(f"{what}: shard {s.index} on device {s.device.id} differs")
 
 
@@ -45,10 +46,13 @@ def run_sync_check(topo_cfg: TopologyConfig, model_cfg: ModelConfig, *, bucket_b
   for gen_id in range(1, versions + 1):
     key = jax.random.key(gen_id)  # each version different weights
     _, params = init_params(model_cfg, key, topo.trainer, topo.rules_for("actor"))
-    weights = sync(plan, params, weights, gen_id)
-    # Expected: the same init on this process's own first device (init values don't depend on the mesh).
+    # Reference values: the same init on this process's own first device (init values don't depend on
+    # the mesh); the trainer shards this process holds must equal them exactly, and so must the
+    # rollout shards after the cast.
     want = jax.tree.leaves(jax.device_get(init_params(model_cfg, key)[1]))
-    _check_shards(weights.params, want, f"{topo.mode} gen_id {gen_id}")
+    _check_shards(params, want, jnp.dtype(model_cfg.param_dtype), f"{topo.mode} trainer gen_id {gen_id}")
+    weights = sync(plan, params, weights, gen_id)
+    _check_shards(weights.params, want, jnp.bfloat16, f"{topo.mode} rollout gen_id {gen_id}")
     rows.append({"mode": topo.mode, "gen_id": weights.gen_id, "routes": sorted({lf.route for lf in plan.leaves}),
                  "buckets": len(plan.buckets), "bytes_total": plan.bytes_total,
                  "max_bytes_per_device": max(plan.bytes_per_device.values(), default=0),
