@@ -1,0 +1,210 @@
+"""Paged KV cache: fast == reference == a numpy softmax over the valid tokens; paged == dense == full forward."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_topo.models.layers import DenseKVCache
+from jaxrl_topo.models.model import forward, init_params
+from jaxrl_topo.models.presets import get_preset
+from jaxrl_topo.rollout.paged import PagedKVCache
+
+CFG = get_preset("tiny")
+_forward = jax.jit(forward, static_argnums=0)  # one compile per (cache type, shapes), shared across tests
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_params(CFG, jax.random.key(0))
+
+
+def _shuffled_table(rng, pages_needed, n_pages, max_pages):
+  """Rows get pages in a random (non-contiguous) order; some rows get one spare page they never fill."""
+  perm = iter(rng.permutation(n_pages).tolist())
+  table = np.full((len(pages_needed), max_pages), -1, np.int32)
+  for b, n in enumerate(pages_needed):
+    n_assigned = min(max_pages, n + (b % 2))
+    table[b, :n_assigned] = [next(perm) for _ in range(n_assigned)]
+  return table
+
+
+def _numpy_attention(q_BNH, k_PSKH, v_PSKH, table_BM, pos_B):
+  """softmax over exactly the tokens 0..pos of each row, read page by page in float64."""
+  B, N, H = q_BNH.shape
+  S, K = k_PSKH.shape[1], k_PSKH.shape[2]
+  out = np.zeros((B, N, H))
+  for b in range(B):
+    ks = np.stack([k_PSKH[table_BM[b, p // S], p % S] for p in range(pos_B[b] + 1)])  # [len, K, H]
+    vs = np.stack([v_PSKH[table_BM[b, p // S], p % S] for p in range(pos_B[b] + 1)])
+    for n in range(N):
+      logits = ks[:, n // (N // K)] @ q_BNH[b, n] / np.sqrt(H)
+      w = np.exp(logits - logits.max())
+      out[b, n] = (w / w.sum()) @ vs[:, n // (N // K)]
+  return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_fast_decode_matches_reference_and_numpy(page_size, group):
+  """Ragged lengths, shuffled pages, garbage everywhere that is not a valid token: none of it leaks."""
+  rng = np.random.default_rng(page_size * 10 + group)
+  lengths = np.array([1, 5, 17, 33])  # tokens cached after this step, the new one included
+  N, H, L = 8, 16, 2
+  K = N // group
+  S = page_size
+  M = -(-40 // S)
+  pages_needed = -(-lengths // S)
+  P = int(pages_needed.sum()) + 4 + 7
+  shape = (L, P, S, K, H)
+  k_pool = rng.normal(size=shape).astype(np.float32) * 3  # stale garbage, overwritten only where valid
+  v_pool = rng.normal(size=shape).astype(np.float32) * 3
+  table = _shuffled_table(rng, pages_needed, P, M)
+  q = rng.normal(size=(4, 1, N, H)).astype(np.float32)
+  k_new = rng.normal(size=(4, 1, K, H)).astype(np.float32)
+  v_new = rng.normal(size=(4, 1, K, H)).astype(np.float32)
+  pos = (lengths - 1)[:, None].astype(np.int32)
+
+  def run(impl):
+    cache = PagedKVCache(k_LPSKH=jnp.asarray(k_pool), v_LPSKH=jnp.asarray(v_pool), table_BM=jnp.asarray(table),
+                         page_size=S, impl=impl, block_tokens=8)  # 8 keys/block: several loop trips
+    return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)
+
+  (fast, fast_cache), (ref, ref_cache) = run("fast"), run("reference")
+  k_want, v_want = k_pool.copy(), v_pool.copy()
+  for b in range(4):
+    k_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = k_new[b, 0]
+    v_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = v_new[b, 0]
+  for cache in (fast_cache, ref_cache):  # exactly the four new slots of layer 1 changed
+    np.testing.assert_array_equal(cache.k_LPSKH, k_want)
+    np.testing.assert_array_equal(cache.v_LPSKH, v_want)
+  want = _numpy_attention(q[:, 0], k_want[1], v_want[1], table, pos[:, 0])
+  np.testing.assert_allclose(ref[:, 0], want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(fast[:, 0], want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_unassigned_pages_drop_writes(impl):
+  """A row with no pages writes nothing (not to page 0, not to page P-1); a half-paged row writes its page only."""
+  S, P = 4, 6
+  k_pool = jax.random.normal(jax.random.key(1), (CFG.n_layers, P, S, CFG.n_kv_heads, CFG.head_dim))
+  table = np.array([[-1, -1], [3, -1]], np.int32)
+  cache = PagedKVCache(k_LPSKH=k_pool, v_LPSKH=-k_pool, table_BM=jnp.asarray(table), page_size=S, impl=impl)
+  T = 3 * S  # positions 0..11: row 1 has a page for 0..3 only; 8..11 are past M*S = 8
+  new = jnp.ones((2, T, CFG.n_kv_heads, CFG.head_dim))
+  q = jnp.ones((2, T, CFG.n_heads, CFG.head_dim))
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+  _, got = jax.jit(lambda c: c.attend(0, q, new, 2 * new, positions))(cache)
+  want_k = np.asarray(k_pool).copy()
+  want_k[0, 3] = 1.0
+  np.testing.assert_array_equal(got.k_LPSKH, want_k)
+  want_v = -np.asarray(k_pool)
+  want_v[0, 3] = 2.0
+  np.testing.assert_array_equal(got.v_LPSKH, want_v)
+  only_unassigned = cache.replace(table_BM=jnp.full((2, 2), -1, jnp.int32))
+  _, got = jax.jit(lambda c: c.attend(1, q, new, new, positions))(only_unassigned)
+  np.testing.assert_array_equal(got.k_LPSKH, k_pool)
+  np.testing.assert_array_equal(got.v_LPSKH, -k_pool)
+
+
+def _decode_steps(graphdef, params, cache, prompts_BT, lens_B, steps_BN):
+  """Prefill right-padded prompts, then feed steps_BN one token at a time; logits of every prediction."""
+  B, T = prompts_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  logits_BTV, cache = _forward(graphdef, params, prompts_BT, positions_BT, None, cache)
+  out = [np.take_along_axis(np.asarray(logits_BTV), (lens_B - 1)[:, None, None], axis=1)[:, 0]]
+  for i in range(steps_BN.shape[1]):
+    logits_B1V, cache = _forward(graphdef, params, steps_BN[:, i:i + 1], (lens_B + i)[:, None], None, cache)
+    out.append(np.asarray(logits_B1V[:, 0]))
+  return np.stack(out, axis=1), cache
+
+
+def _full_forward(graphdef, params, prompts_BT, lens_B, steps_BN):
+  """The same predictions from one causal forward over prompt + continuation (no cache)."""
+  B, n = steps_BN.shape
+  seqs = np.zeros((B, prompts_BT.shape[1] + n), np.int32)
+  for b in range(B):
+    seqs[b, :lens_B[b] + n] = np.concatenate([prompts_BT[b, :lens_B[b]], steps_BN[b]])
+  positions = np.broadcast_to(np.arange(seqs.shape[1], dtype=np.int32), seqs.shape)
+  logits = np.asarray(_forward(graphdef, params, seqs, positions)[0])
+  return np.stack([logits[b, lens_B[b] - 1:lens_B[b] + n] for b in range(B)])
+
+
+def _ragged_case(seed, T=12, n_new=6):
+  rng = np.random.default_rng(seed)
+  lens = np.array([3, 12, 1, 7], np.int32)
+  prompts = rng.integers(1, CFG.vocab_size, (4, T)).astype(np.int32)
+  prompts[np.arange(T)[None, :] >= lens[:, None]] = 0  # right padding
+  return rng, prompts, lens, rng.integers(1, CFG.vocab_size, (4, n_new)).astype(np.int32)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_paged_model_matches_dense_and_full_forward(model, page_size, impl):
+  graphdef, params = model
+  rng, prompts, lens, steps = _ragged_case(0)
+  n_new = steps.shape[1]
+  dense, _ = _decode_steps(graphdef, params, DenseKVCache.zeros(CFG, 4, 12 + n_new), prompts, lens, steps)
+  M = -(-(12 + n_new) // page_size)
+  P = 4 * M + 3
+  table = _shuffled_table(rng, -(-(lens + n_new) // page_size), P, M)
+  cache = PagedKVCache.zeros(CFG, P, page_size, M, 4, impl=impl, block_tokens=8)
+  garbage = jax.random.normal(jax.random.key(2), cache.k_LPSKH.shape)
+  cache = cache.replace(k_LPSKH=garbage, v_LPSKH=-garbage, table_BM=jnp.asarray(table))
+  paged, _ = _decode_steps(graphdef, params, cache, prompts, lens, steps)
+  full = _full_forward(graphdef, params, prompts, lens, steps)
+  np.testing.assert_allclose(dense, full, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(paged, dense, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_shared_prompt_pages_decode_as_if_unshared(model, impl):
+  """GRPO prefix sharing: two rows read the same physical prompt pages, each writes its own pages."""
+  graphdef, params = model
+  S, n_new, L = 4, 6, 10  # prompt: pages 0-1 full (shared), page 2 partial (copied per row)
+  rng = np.random.default_rng(3)
+  prompt = rng.integers(1, CFG.vocab_size, (1, L)).astype(np.int32)
+  steps = rng.integers(1, CFG.vocab_size, (2, n_new)).astype(np.int32)
+  one = PagedKVCache.zeros(CFG, 9, S, 4, 1, impl=impl).replace(table_BM=jnp.asarray([[5, 2, 7, -1]], jnp.int32))
+  positions = jnp.arange(L, dtype=jnp.int32)[None]
+  _, one = _forward(graphdef, params, prompt, positions, None, one)
+  k, v = one.k_LPSKH.at[:, 0].set(one.k_LPSKH[:, 7]), one.v_LPSKH.at[:, 0].set(one.v_LPSKH[:, 7])  # copy-on-write
+  shared = one.replace(k_LPSKH=k, v_LPSKH=v, table_BM=jnp.asarray([[5, 2, 7, 1], [5, 2, 0, 8]], jnp.int32))
+  lens = np.full((2,), L, np.int32)
+  got = []
+  for i in range(n_new):
+    logits_B1V, shared = _forward(graphdef, params, steps[:, i:i + 1], (lens + i)[:, None], None, shared)
+    got.append(np.asarray(logits_B1V[:, 0]))
+  prompts = np.repeat(prompt, 2, axis=0)
+  want = _full_forward(graphdef, params, prompts, lens, steps)[:, 1:]
+  np.testing.assert_allclose(np.stack(got, axis=1), want, atol=2e-5, rtol=0)
+  for pool_before, pool_after in ((one.k_LPSKH, shared.k_LPSKH), (one.v_LPSKH, shared.v_LPSKH)):
+    np.testing.assert_array_equal(pool_after[:, np.array([5, 2])], pool_before[:, np.array([5, 2])])
+  assert not np.array_equal(shared.k_LPSKH[:, 7], shared.k_LPSKH[:, 0])  # the two rows diverged in page 2
+
+
+def test_decode_step_compiles_once_and_donates(model):
+  graphdef, params = model
+  rng, prompts, lens, steps = _ragged_case(4, n_new=3)
+  cache = PagedKVCache.zeros(CFG, 24, 4, 6, 4, impl="fast")
+  cache = cache.replace(table_BM=jnp.asarray(_shuffled_table(rng, -(-(lens + 3) // 4), 24, 6)))
+  positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (4, 12))
+  _, cache = _forward(graphdef, params, prompts, positions, None, cache)
+
+  @chex.assert_max_traces(n=1)
+  def decode(params, cache, tok_B1, pos_B1):
+    return forward(graphdef, params, tok_B1, pos_B1, None, cache)
+
+  decode = jax.jit(decode, donate_argnums=1)
+  got = []
+  for i in range(3):  # new tokens and positions each step, same shapes: one trace
+    old = cache
+    logits_B1V, cache = decode(params, cache, jnp.asarray(steps[:, i:i + 1]), jnp.asarray(lens + i)[:, None])
+    assert old.k_LPSKH.is_deleted()  # donated: the step reused the pool's buffer
+    got.append(np.asarray(logits_B1V[:, 0]))
+  want = _full_forward(graphdef, params, prompts, lens, steps)[:, 1:]
+  np.testing.assert_allclose(np.stack(got, axis=1), want, atol=2e-5, rtol=0)
