@@ -262,3 +262,23 @@ def test_fully_masked_row_is_uniform_not_nan():
   out = _gqa(np.ones((1, 1, 2, 4), np.float32), np.ones((1, 3, 1, 4), np.float32), v, np.zeros((1, 1, 3), bool))
   np.testing.assert_allclose(out[0, 0], np.broadcast_to(v[0].mean(0), (2, 4)), atol=1e-6,
                              err_msg="a fully masked row should give mean(v), not NaN or a one-hot")
+
+
+def test_make_apply_fn_is_forward_without_the_cache():
+  """The train step's generic `apply_fn(params, tokens, positions, segment_ids)` is our forward's logits."""
+  from jaxrl_topo.models.model import make_apply_fn
+  graphdef, params = init_params(TINY, jax.random.key(3))
+  tokens = jnp.asarray(np.random.RandomState(3).randint(0, TINY.vocab_size, (2, 7)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+  got = make_apply_fn(graphdef)(params, tokens, positions, segments)
+  want, cache = forward(graphdef, params, tokens, positions, segments)
+  assert cache is None
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("n, minimum, maximum, want", [(1, 8, None, 8), (9, 8, None, 16), (16, 8, None, 16),
+                                                       (17, 16, 24, 24), (100, 16, 512, 128)])
+def test_bucket_length(n, minimum, maximum, want):
+  from jaxrl_topo.rollout.dense import bucket_length
+  assert bucket_length(n, minimum, maximum) == want

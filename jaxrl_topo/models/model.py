@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.transformer import Transformer
@@ -91,7 +91,3 @@ def cast_params(params: Params, dtype) -> Params:
   """Every floating leaf cast to `dtype` (e.g. fp32 master weights -> bf16 rollout copy)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
-
-def shardings_of(params: Params) -> Params:
-  """The sharding of every leaf: a ready-made `in_shardings` for a jit over `params`."""
-  return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else None, params)

@@ -36,6 +36,13 @@ class DecodeConfig:
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive")
 
 
+def bucket_length(n: int, minimum: int, maximum: int | None = None) -> int:
+  """n rounded up to a power of two (at least `minimum`, at most `maximum`): prompt shapes compile a
+  handful of programs, not one per length."""
+  b = max(minimum, 1 << (n - 1).bit_length())
+  return b if maximum is None else min(b, maximum)
+
+
 def _is_eos(tokens_B, eos_ids: tuple[int, ...]):
   if not eos_ids:
     return jnp.zeros(tokens_B.shape, bool)

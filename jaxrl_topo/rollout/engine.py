@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxrl_topo.models.config import ModelConfig
+from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
@@ -170,9 +171,6 @@ class RolloutEngine:
 
   # -- one group: prefill once, fork the rest --------------------------------------------------
 
-  def _bucket(self, n: int) -> int:
-    return min(max(self.ecfg.min_bucket, 1 << (n - 1).bit_length()), self.ecfg.max_pages_per_seq * self.ecfg.page_size)
-
   def _admit(self, req: Request, seq_ids: list[int]) -> list[tuple[int, int, float]]:
     """Prefills the prompt once into a new slot and forks it for the group's other samples:
     (slot, first token, its log-prob) per sample. Raises OutOfPages, nothing changed, if the pool
@@ -190,7 +188,7 @@ class RolloutEngine:
       for slot in reversed(slots):
         self.pool.free(slot)
       raise
-    T = self._bucket(n_prompt)
+    T = bucket_length(n_prompt, self.ecfg.min_bucket, self.ecfg.max_pages_per_seq * self.ecfg.page_size)
     tokens = np.full((1, T), self.ecfg.pad_id, np.int32)
     tokens[0, :n_prompt] = req.prompt_ids
     table = self.pool.table()[slots[0]][None]

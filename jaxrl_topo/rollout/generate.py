@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
-from jaxrl_topo.rollout.dense import DecodeConfig, generate_dense
+from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -67,10 +67,6 @@ def _prompt_ids(row: Any, tokenizer: Tokenizer | None, chat: bool, where: str) -
   return ids
 
 
-def _bucket(n: int) -> int:
-  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class Completion:
   completion_ids: list[int]
@@ -91,7 +87,7 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
   batch_sharding = NamedSharding(mesh, PartitionSpec("data")) if mesh is not None else None
   out: dict[int, Completion] = {}
   for idx in tqdm.tqdm(batches, desc="generate", unit="batch", disable=not progress):
-    T = _bucket(max(len(prompts[i]) for i in idx))
+    T = bucket_length(max(len(prompts[i]) for i in idx), _MIN_BUCKET)
     rows = np.full((batch_size, T), decode.pad_id, np.int32)
     lens = np.ones((batch_size,), np.int32)  # dummy rows: one pad token
     seq_ids = np.full((batch_size,), -1, np.int32)

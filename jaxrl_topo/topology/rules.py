@@ -18,9 +18,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-                "cache_length")
-
 # Trainer: FSDP shards every weight's `embed` dim; `tensor` (if the mesh has it) splits heads/mlp/vocab.
 TRAIN_RULES: Rules = (
     ("batch", ("data", "fsdp")),
