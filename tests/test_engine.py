@@ -58,7 +58,8 @@ def test_greedy_engine_matches_dense_decoder(family, tmp_path):
   greedy = SamplingConfig(greedy=True)
   eng = _engine(graphdef, params, cfg, sampling=greedy, eos_ids=())
   got = eng.run([Request(p, max_new_tokens=10) for p in prompts])
-  want = generate_ids(graphdef, params, prompts, DecodeConfig(max_new_tokens=10, sampling=greedy), batch_size=8)
+  want = generate_ids(graphdef, params, prompts, DecodeConfig(max_new_tokens=10, sampling=greedy), batch_size=8,
+                      impl="dense")
   for g, w in zip(got, want, strict=True):
     assert g.tokens == w.completion_ids, f"{family}: paged engine differs from the dense decoder"
     np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
@@ -69,7 +70,8 @@ def test_sampled_engine_matches_dense_decoder(tiny, impl):
   graphdef, params = tiny
   prompts = _prompts(6, seed=2)
   got = _engine(graphdef, params, impl=impl).run([Request(p, max_new_tokens=12) for p in prompts])
-  want = generate_ids(graphdef, params, prompts, DecodeConfig(max_new_tokens=12, sampling=SAMPLED, eos_ids=EOS))
+  want = generate_ids(graphdef, params, prompts, DecodeConfig(max_new_tokens=12, sampling=SAMPLED, eos_ids=EOS),
+                      impl="dense")
   assert [g.tokens for g in got] == [w.completion_ids for w in want]
   assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
 
@@ -167,3 +169,136 @@ def test_bad_requests_are_refused_before_any_work(tiny, request_, message):
   graphdef, params = tiny
   with pytest.raises(ValueError, match=message):
     _engine(graphdef, params).run([request_])
+
+
+# ---------------------------------------------------------------- weight updates under each policy
+
+
+def _swap_once(params, policy, after_chunk=1):
+  def on_chunk(engine):
+    if engine.stats["chunks"] == after_chunk and engine.gen_id == 0:
+      engine.update_weights(params, gen_id=1, policy=policy)
+  return on_chunk
+
+
+def test_finish_on_old_finishes_live_sequences_on_the_old_weights(tiny):
+  graphdef, params = tiny
+  _, new = _tiny_params(seed=7)
+  requests = [Request(p, max_new_tokens=12) for p in _prompts(5, seed=11)]
+  under_old = _engine(graphdef, params, n_slots=2, eos_ids=()).run(requests)
+  under_new = _engine(graphdef, new, n_slots=2, eos_ids=()).run(requests)
+  eng = _engine(graphdef, params, n_slots=2, eos_ids=())
+  got = eng.run(requests, on_chunk=_swap_once(new, "finish_on_old"))
+  tags = [set(s.gen_ids) for s in got]
+  assert {0} in tags and {1} in tags, "some sequences finish on the old weights, later ones start on the new"
+  for s, old, fresh, tag in zip(got, under_old, under_new, tags, strict=True):
+    assert len(tag) == 1, "finish-on-old never mixes versions within a sequence"
+    assert s.tokens == (old.tokens if tag == {0} else fresh.tokens)
+  assert eng.gen_id == 1 and eng.stats["weight_updates"] == 1
+
+
+def test_abort_and_resume_recomputes_the_prefix_under_the_new_weights(tiny):
+  graphdef, params = tiny
+  _, new = _tiny_params(seed=7)
+  prompts = _prompts(3, seed=12)
+  requests = [Request(p, max_new_tokens=14) for p in prompts]
+  under_old = _engine(graphdef, params, eos_ids=()).run(requests)
+  eng = _engine(graphdef, params, eos_ids=())
+  got = eng.run(requests, on_chunk=_swap_once(new, "abort_and_resume"))
+  assert eng.stats["aborted"] == 3 and eng.stats["resumed"] == 3
+  # Reference: the new weights continuing each prompt + the tokens sampled before the swap.
+  cut = [s.gen_ids.index(1) for s in got]
+  resumed = _engine(graphdef, new, eos_ids=()).run(
+      [Request(p + s.tokens[:c], max_new_tokens=14 - c) for p, s, c in zip(prompts, got, cut, strict=True)])
+  for s, old, ref, c in zip(got, under_old, resumed, cut, strict=True):
+    assert c == 1 + eng.ecfg.decode_chunk, "the swap landed after the first chunk"
+    assert s.tokens[:c] == old.tokens[:c] and s.gen_ids == [0] * c + [1] * (14 - c)
+    assert s.tokens[c:] == ref.tokens
+    np.testing.assert_allclose(s.logprobs[c:], ref.logprobs, atol=1e-6)
+  assert any(s.tokens != old.tokens for s, old in zip(got, under_old, strict=True)), "new weights must show"
+
+
+def test_keep_kv_swaps_at_the_next_chunk_and_bad_updates_are_refused(tiny):
+  graphdef, params = tiny
+  _, new = _tiny_params(seed=7)
+  eng = _engine(graphdef, params, eos_ids=())
+  got = eng.run([Request(p, max_new_tokens=14) for p in _prompts(2, seed=13)], on_chunk=_swap_once(new, "keep_kv"))
+  assert all(s.gen_ids == [0] * 6 + [1] * 8 for s in got)
+  with pytest.raises(ValueError, match="update policy"):
+    eng.update_weights(new, gen_id=2, policy="sometimes")
+  with pytest.raises(ValueError, match="gen_id must increase"):
+    eng.update_weights(new, gen_id=1)
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def _detok(ids):
+  return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_cut_at_the_token_that_completes_them(tiny):
+  graphdef, params = tiny
+  prompts = _prompts(3, seed=14)
+  free = _engine(graphdef, params, eos_ids=()).run([Request(p, max_new_tokens=12) for p in prompts])
+  stop = _detok(free[0].tokens)[5:7]  # two tokens' worth of text, spanning a chunk boundary
+  eng = RolloutEngine(graphdef, TINY, params, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=64,
+                                                           decode_chunk=5, sampling=SAMPLED), detokenize=_detok)
+  got = eng.run([Request(p, max_new_tokens=12, stop_strings=(stop,)) for p in prompts])
+  for s, f in zip(got, free, strict=True):
+    text = _detok(f.tokens)
+    if stop in text:
+      end = next(n for n in range(1, 13) if stop in _detok(f.tokens[:n]))
+      assert (s.tokens, s.finish_reason) == (f.tokens[:end], "stop")
+      assert len(s.logprobs) == len(s.gen_ids) == end
+    else:
+      assert (s.tokens, s.finish_reason) == (f.tokens, "length")
+  assert got[0].finish_reason == "stop" and len(got[0].tokens) <= 7
+  with pytest.raises(ValueError, match="detokenize"):
+    _engine(graphdef, params).run([Request(prompts[0], max_new_tokens=4, stop_strings=("x",))])
+
+
+# ---------------------------------------------------------------- sharded rollout mesh
+
+
+@pytest.mark.parametrize("axes", [{"data": 4, "tensor": 2}, {"data": 2, "tensor": 2}])
+def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes):
+  from jaxrl_topo.models.model import abstract_model, param_shardings
+  from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
+
+  graphdef, params = tiny
+  mesh = make_mesh(axes, jax.devices()[: axes["data"] * axes["tensor"]])
+  sharded = jax.device_put(params, param_shardings(abstract_model(TINY)[1], mesh, ROLLOUT_RULES))
+  requests = [Request(p, n=2, max_new_tokens=10) for p in _prompts(5, seed=15)]
+  want = _engine(graphdef, params).run(requests)
+  eng = RolloutEngine(graphdef, TINY, sharded, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=64,
+                                                            decode_chunk=5, sampling=SAMPLED, eos_ids=EOS), mesh=mesh)
+  got = eng.run(requests)
+  sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size())
+  eng.run(requests[::-1])
+  assert (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size()) == sizes, "steady state recompiled"
+  assert [s.tokens for s in got] == [s.tokens for s in want]
+  np.testing.assert_allclose(np.concatenate([s.logprobs for s in got]),
+                             np.concatenate([s.logprobs for s in want]), atol=1e-5)
+  spec = eng.state.cache.k_LPSKH.sharding.spec
+  assert tuple(spec)[3] == "tensor" and eng.state.last_B.sharding.spec[0] == "data"
+  assert len(eng.state.cache.k_LPSKH.sharding.device_set) == axes["data"] * axes["tensor"]
+  with pytest.raises(ValueError, match="multiple of the mesh's data axis"):
+    RolloutEngine(graphdef, TINY, sharded, EngineConfig(n_slots=3), mesh=mesh)
+
+
+def test_jetstream_shaped_pieces_drive_one_sequence(tiny):
+  """insert / generate / free by hand give the same tokens as run()."""
+  graphdef, params = tiny
+  prompt = _prompts(1, seed=16)[0]
+  want = _engine(graphdef, params, eos_ids=()).run([Request(prompt, max_new_tokens=11)])[0]
+  eng = _engine(graphdef, params, eos_ids=())
+  slot, tok, lp = eng.insert(prompt, 0, max_new_tokens=11)
+  tokens, logprobs = [tok], [lp]
+  while eng.host.active_B[slot]:
+    toks, lps, emitted = eng.generate()
+    tokens += toks[emitted[:, slot], slot].tolist()
+    logprobs += lps[emitted[:, slot], slot].tolist()
+  eng.free(slot)
+  assert tokens == want.tokens and np.allclose(logprobs, want.logprobs)
+  assert eng.pool.stats()["used_pages"] == 0

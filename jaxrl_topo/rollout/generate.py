@@ -4,9 +4,9 @@ Input lines are {"prompt": "text"} (chat template applied when chat=True) or {"p
 Output lines, in input order: completion_ids (stop token included when one ended the sequence),
 text, logprobs (rollout/sampling.py convention), finish_reason ("stop" or "length").
 
-Shapes are bucketed so the whole file compiles a handful of programs: the batch is always
-`batch_size` rows (short batches are padded with dummy rows) and prompt lengths are rounded up
-to a power of two.
+Generation runs on the paged rollout engine (engine.py): `batch_size` decode slots refilled as
+sequences finish, prompt lengths bucketed to powers of two, so the whole file compiles a handful
+of programs. `impl="dense"` keeps the reference decoder (dense.py) for tests and comparison.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl_topo.data.pipeline import read_jsonl
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -34,16 +37,7 @@ _MIN_BUCKET = 8
 
 def read_prompts(path: str, tokenizer: Tokenizer | None, chat: bool) -> list[list[int]]:
   """Token ids per line; errors name the line."""
-  prompts = []
-  with open(path) as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-      prompts.append(_prompt_ids(row, tokenizer, chat, f"{path}:{lineno}"))
+  prompts = [_prompt_ids(row, tokenizer, chat, where) for where, row in read_jsonl(path)]
   if not prompts:
     raise ValueError(f"{path}: no prompts")
   return prompts
@@ -75,12 +69,21 @@ class Completion:
 
 
 def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: DecodeConfig, *, seed: int = 0,
-                 batch_size: int = 8, vocab_size: int | None = None, mesh=None,
-                 progress: bool = False) -> list[Completion]:
-  """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position)."""
+                 batch_size: int = 8, vocab_size: int | None = None, mesh=None, progress: bool = False,
+                 impl: str = "paged", page_size: int = 16) -> list[Completion]:
+  """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position).
+
+  impl="paged" runs the rollout engine (continuous batching over `batch_size` slots, a KV pool
+  big enough that nothing is ever preempted); impl="dense" the reference decoder in fixed batches.
+  Both draw the same keys, so they give the same tokens."""
   for i, p in enumerate(prompts):
     if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
       raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size})")
+  if impl == "paged":
+    return _generate_paged(graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
+                           progress=progress, page_size=page_size)
+  if impl != "dense":
+    raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
   batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
   key = jax.random.key(seed)
@@ -98,6 +101,20 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
     for r, i in enumerate(idx):
       out[i] = Completion(toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist(), "stop" if stopped[r] else "length")
   return [out[i] for i in range(len(prompts))]
+
+
+def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size):
+  cfg = nnx.merge(graphdef, params).cfg
+  max_len = -(-(max(map(len, prompts)) + decode.max_new_tokens) // page_size) * page_size
+  ecfg = EngineConfig(n_slots=n_slots, page_size=page_size, n_pages=n_slots * (max_len // page_size),
+                      max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,
+                      pad_id=decode.pad_id)
+  engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
+  bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
+  samples = engine.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts],
+                       on_chunk=lambda eng: bar.update(eng.stats["finished"] - bar.n))
+  bar.close()
+  return [Completion(s.tokens, s.logprobs, s.finish_reason) for s in samples]
 
 
 def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,

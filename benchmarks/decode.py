@@ -1,0 +1,220 @@
+"""Decode throughput and memory-bandwidth utilisation: the paged engine against the dense reference (issue 4 §7).
+
+  python benchmarks/decode.py                      # tiny preset; on CPU batches 1,4,16, ~1 minute
+  python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
+      --prompt_len=128 --kv_budget_gb=40           # the H100 target (MBU >= 60% at batch 256)
+
+Workload, per batch size B: `--n_seqs` (default 2B) prompts of `--prompt_len` random tokens, and for each a
+completion length drawn from a lognormal with median `--median_len` and log-sd `--sigma`, rounded, clipped to
+[1, cap], cap = 8 x median. Greedy decoding, no EOS: every sequence generates exactly its drawn length, so both
+implementations do the same useful work whatever the (random-weight) model emits.
+  paged  RolloutEngine, B slots, one Request(max_new_tokens=length) per sequence; continuous batching refills a
+         slot as soon as its sequence ends. The pool holds B x ceil((prompt + cap) / page_size) pages (the memory
+         the dense decoder takes, so nothing is preempted; `preemptions` reports it).
+  dense  generate_dense (the reference decoder) over consecutive batches of B sequences; each batch decodes to its
+         longest length (that is what a dense batch with EOS does). Its cache is sized prompt + that longest length,
+         not prompt + cap, which flatters dense a little (a real run allocates and reads for the cap).
+Each configuration runs the whole workload once untimed (compiles every shape it needs), then `--repeats` times
+timed (time.perf_counter around the run, results fetched to the host). One JSON line per (impl, batch):
+  wall_s        median of the timed runs (all of them in wall_s_all), prefills and host work included
+  decode_steps  batched one-token forward passes executed (dense: sum over batches of longest - 1, the first token
+                comes from the prefill; paged: decode chunks x decode_chunk, idle slot-steps included)
+  step_s        wall_s / decode_steps;  tokens_per_s = generated tokens / wall_s
+  bytes_per_step  weight bytes (all parameters, less an untied input embedding, of which a step reads B rows)
+                + useful KV bytes / decode_steps. Useful KV bytes = what the attention must read: a sequence of
+                prompt P and length L reads (L - 1) P + L (L - 1) / 2 cached tokens over its L - 1 decode steps,
+                at kv_bytes_per_token = 2 x layers x kv_heads x head_dim x dtype bytes. The same total for both
+                implementations; padding, finished rows and masked keys a step reads anyway are not counted.
+  mbu           bytes_per_step / step_s / copy bandwidth; copy_gbps = 2 x bytes / time of a jitted `x + 1` over
+                `--copy_mb` (best of 10) on the same device
+  seqs_fit_*    sequences whose KV fits `--kv_budget_gb` (1 GB = 1e9 bytes) at once: dense reserves prompt + cap
+                tokens per sequence; paged reserves ceil((prompt + L) / page_size) pages, averaged over 100,000 draws
+                of the same length distribution (final lengths: a live sequence holds no more than that)
+"""
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_topo.models.config import num_params
+from jaxrl_topo.models.model import cast_params, init_params
+from jaxrl_topo.models.presets import PRESETS, get_preset
+from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.rollout.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(greedy=True)
+FIT_DRAWS = 100_000
+
+
+def sample_lengths(n: int, median: int, sigma: float, seed: int) -> np.ndarray:
+  """n lognormal completion lengths with the given median, rounded and clipped to [1, 8 x median]."""
+  x = np.random.default_rng(seed).lognormal(math.log(median), sigma, n)
+  return np.clip(np.rint(x), 1, 8 * median).astype(np.int64)
+
+
+def kv_bytes_per_token(cfg) -> int:
+  return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def weight_bytes(params) -> int:
+  """Parameter bytes one decode step reads: all of them, except an untied input embedding (B rows of it)."""
+  total = sum(x.nbytes for x in jax.tree.leaves(params))
+  return total - (params["embed_tokens"].nbytes if "lm_head" in params else 0)
+
+
+def useful_kv_tokens(lengths, prompt_len: int) -> int:
+  """Cached tokens the decode steps must read: sum over sequences of (L - 1) P + L (L - 1) / 2."""
+  L = np.asarray(lengths, np.int64)
+  return int(((L - 1) * prompt_len + L * (L - 1) // 2).sum())
+
+
+def copy_gbps(nbytes: int, repeats: int = 10) -> float:
+  """Device copy bandwidth: 2 x bytes / best time of a jitted elementwise `x + 1` (read + write)."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda x: x + 1)
+  jax.block_until_ready(f(x))
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    best = min(best, time.perf_counter() - t0)
+  return 2 * x.nbytes / best / 1e9
+
+
+def seqs_fit(cfg, budget: float, prompt_len: int, median: int, sigma: float, page_size: int, seed: int):
+  """(paged, dense) sequences whose KV fits `budget` bytes at once."""
+  per_tok = kv_bytes_per_token(cfg)
+  dense = int(budget // ((prompt_len + 8 * median) * per_tok))
+  L = sample_lengths(FIT_DRAWS, median, sigma, seed + 7)
+  pages = np.ceil((prompt_len + L) / page_size).mean()
+  return int(budget // (pages * page_size * per_tok)), dense
+
+
+def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
+  """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats)."""
+  cap = 8 * args.median_len
+  ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap,
+                      n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
+                      sampling=GREEDY, eos_ids=())
+  engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
+  requests = [Request(p, n=1, max_new_tokens=int(n)) for p, n in zip(prompts, lengths, strict=True)]
+
+  def once():
+    before = engine.stats.copy()
+    samples = engine.run(requests)  # returns host lists: every chunk's tokens were fetched
+    stats = engine.stats - before
+    return sum(len(s.tokens) for s in samples), stats["chunks"] * args.decode_chunk, stats
+
+  return once
+
+
+def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
+  """A callable running consecutive batches of `batch` rows through `generate_dense`, each to its longest length:
+  (tokens, decode steps, {}). A short last batch is padded with dummy rows, as generate_ids does."""
+  T = bucket_length(args.prompt_len, 8)
+  batches = []
+  for i in range(0, len(prompts), batch):
+    n = min(batch, len(prompts) - i)
+    rows = np.zeros((batch, T), np.int32)
+    rows[:n, : args.prompt_len] = prompts[i : i + n]
+    lens = np.full((batch,), args.prompt_len, np.int32)
+    seq_ids = np.where(np.arange(batch) < n, i + np.arange(batch), -1).astype(np.int32)
+    decode = DecodeConfig(max_new_tokens=int(lengths[i : i + n].max()), sampling=GREEDY, eos_ids=())
+    batches.append((rows, lens, seq_ids, decode, lengths[i : i + n]))
+  key = jax.random.key(args.seed)
+
+  def once():
+    tokens = 0
+    for rows, lens, seq_ids, decode, want in batches:
+      _, _, n_B = jax.device_get(generate_dense(graphdef, params, rows, lens, seq_ids, key, decode=decode)[:3])
+      tokens += int(np.minimum(n_B[: len(want)], want).sum())
+    return tokens, sum(b[3].max_new_tokens - 1 for b in batches), {}
+
+  return once
+
+
+def timed(once, repeats: int):
+  """One untimed run (compiles every shape), then `repeats` timed ones: (median wall_s, last result)."""
+  once()
+  walls = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    result = once()
+    walls.append(time.perf_counter() - t0)
+  return statistics.median(walls), walls, result
+
+
+def main():
+  on_gpu = jax.default_backend() == "gpu"
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+  parser.add_argument("--batches", default="1,4,16,64,256" if on_gpu else "1,4,16",
+                      help="comma-separated batch sizes (decode slots / dense rows)")
+  parser.add_argument("--impl", default="paged,dense", help="comma-separated: paged, dense")
+  parser.add_argument("--median_len", type=int, default=64, help="median completion length (cap = 8 x median)")
+  parser.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal completion lengths")
+  parser.add_argument("--prompt_len", type=int, default=32, help="prompt tokens per sequence")
+  parser.add_argument("--n_seqs", type=int, default=None, help="sequences per configuration (default 2 x batch)")
+  parser.add_argument("--page_size", type=int, default=16)
+  parser.add_argument("--decode_chunk", type=int, default=8, help="paged: decode steps per generate() call")
+  parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                      help="compute, weight and KV dtype (default: preset)")
+  parser.add_argument("--kv_budget_gb", type=float, default=40.0 if on_gpu else 1.0, help="KV budget for seqs_fit")
+  parser.add_argument("--copy_mb", type=float, default=512.0 if on_gpu else 64.0, help="array size of the copy test")
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs of the workload (median reported)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  impls = args.impl.split(",")
+  if not set(impls) <= {"paged", "dense"}:
+    parser.error(f"--impl={args.impl}: expected paged and/or dense")
+
+  cfg = get_preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+  graphdef, params = init_params(cfg, jax.random.key(args.seed))
+  params = jax.block_until_ready(jax.jit(lambda p: cast_params(p, jnp.dtype(cfg.dtype)))(params))
+  w_bytes, per_tok = weight_bytes(params), kv_bytes_per_token(cfg)
+  bw = copy_gbps(int(args.copy_mb * 2**20))
+  budget = args.kv_budget_gb * 1e9
+  fit_paged, fit_dense = seqs_fit(cfg, budget, args.prompt_len, args.median_len, args.sigma, args.page_size,
+                                  args.seed)
+  common = {
+      "bench": "decode", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+      "jax": jax.__version__, "date": datetime.date.today().isoformat(), "preset": args.preset,
+      "params": num_params(cfg), "dtype": cfg.dtype, "weight_bytes": w_bytes, "kv_bytes_per_token": per_tok,
+      "prompt_len": args.prompt_len, "median_len": args.median_len, "sigma": args.sigma,
+      "cap": 8 * args.median_len, "page_size": args.page_size, "copy_gbps": bw, "kv_budget_bytes": int(budget),
+      "seqs_fit_paged": fit_paged, "seqs_fit_dense": fit_dense,
+  }
+  for batch in (int(b) for b in args.batches.split(",")):
+    n_seqs = args.n_seqs or 2 * batch
+    lengths = sample_lengths(n_seqs, args.median_len, args.sigma, args.seed + batch)
+    rng = np.random.default_rng(args.seed + 1_000_003 * batch)
+    prompts = rng.integers(0, cfg.vocab_size, (n_seqs, args.prompt_len)).tolist()
+    kv_useful = useful_kv_tokens(lengths, args.prompt_len) * per_tok
+    for impl in impls:
+      runner = paged_runner if impl == "paged" else dense_runner
+      wall, walls, (tokens, steps, stats) = timed(runner(graphdef, cfg, params, prompts, lengths, args, batch),
+                                                  args.repeats)
+      assert tokens == int(lengths.sum()), f"{impl}: {tokens} tokens generated, {int(lengths.sum())} drawn"
+      steps = max(steps, 1)
+      bytes_per_step = w_bytes + kv_useful / steps
+      print(json.dumps({
+          "impl": impl, "batch": batch, "n_seqs": n_seqs, "max_len": int(lengths.max()),
+          "mean_len": float(lengths.mean()), "tokens": tokens, "wall_s": wall, "wall_s_all": walls,
+          "tokens_per_s": tokens / wall, "decode_steps": steps, "step_s": wall / steps,
+          "bytes_per_step": bytes_per_step,
+          "mbu": bytes_per_step / (wall / steps) / (bw * 1e9), **common,
+          **({"decode_chunk": args.decode_chunk, "prefills": stats.get("prefills", 0),
+              "preemptions": stats.get("preemptions", 0)} if impl == "paged" else {}),
+      }), flush=True)
+
+
+if __name__ == "__main__":
+  main()

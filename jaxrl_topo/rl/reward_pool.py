@@ -1,0 +1,335 @@
+"""RewardPool: weighted reward functions run in killable worker processes, with a timeout per call.
+
+A reward function is user code: it may raise, hang, crash its process, or return the wrong thing.
+None of that may stop a training run (DESIGN.md §7). The pool therefore runs the functions in
+worker processes and scores every failure with `error_score`, counting it:
+
+  errors:   the function raised, its worker died, or it returned the wrong number of scores or a
+            non-finite score.
+  timeouts: the call ran past `timeout_s`. Its worker is terminated (SIGTERM, then SIGKILL after a
+            grace period), joined and replaced by a fresh one. The pool stays usable.
+
+Both counts are in item-scores: a failed call over a chunk of 8 items for one function adds 8.
+
+A batch is cut into chunks of `chunk_size` items (by default, one chunk per worker) and every
+(function, chunk) pair is one call. A bad item therefore costs only its own chunk. Calls are
+given to idle workers as they free up; each worker resolves every function once, when it starts.
+
+Functions are passed as strings (see `rewards.resolve`), because the workers are started with the
+"spawn" method. The parent runs JAX, which is multithreaded, and fork is not safe there. All
+names are resolved in the parent first, so a typo fails before any worker starts. The workers
+receive the parent's sys.path, and they ignore SIGINT (the parent handles Ctrl-C).
+
+Worker start-up (a fresh interpreter, then numpy and the reward modules) takes under a second.
+It is paid once at construction, and again only after a timeout kill or a crash. Spawn imports
+the launcher's `__main__` module again in each worker, as multiprocessing always does, so a
+launcher must keep its work under `if __name__ == "__main__"`. Workers are daemonic: they die
+with the parent, but a reward function cannot start multiprocessing children (subprocess works).
+
+`n_workers=0` runs everything inline in the calling process (`score_inline`). The scores, counts
+and chunking are the same, but no timeout can be enforced and a crash takes down the caller. Use
+it for tests and small demos.
+"""
+
+import contextlib
+import dataclasses
+import math
+import multiprocessing
+import multiprocessing.connection
+import signal
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+from absl import logging
+
+from jaxrl_topo.rl import rewards
+
+_KILL_GRACE_S = 1.0  # after SIGTERM, this long before SIGKILL
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+  total_N: np.ndarray  # float32[N]: sum over functions of weight · score
+  per_fn: dict[str, np.ndarray]  # function name, as given -> float32[N] unweighted scores (error_score on failure)
+  errors: int  # item-scores set to error_score: raised, worker died, wrong length, non-finite
+  timeouts: int  # item-scores set to error_score because the call ran past timeout_s
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  name: str
+  weight: float
+  fn: rewards.RewardFn
+
+
+def _resolve_all(fns: Sequence[tuple[str, float]]) -> list[_Spec]:
+  specs = []
+  for entry in fns:
+    if not (isinstance(entry, tuple | list) and len(entry) == 2):
+      raise ValueError(f"each reward must be a (name_or_path, weight) pair, got {entry!r}")
+    name, weight = entry
+    if not (isinstance(weight, int | float) and math.isfinite(weight)):
+      raise ValueError(f"reward {name!r}: weight must be a finite number, got {weight!r}")
+    specs.append(_Spec(name, float(weight), rewards.resolve(name)))
+  names = [s.name for s in specs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"reward names must be unique (they key RewardResult.per_fn), got {names}")
+  return specs
+
+
+def _batch_size(prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict] | None) -> int:
+  n = len(completions)
+  if len(prompts) != n or (metadata is not None and len(metadata) != n):
+    raise ValueError(f"batch lengths differ: {len(prompts)} prompts, {n} completions, "
+                     f"{'-' if metadata is None else len(metadata)} metadata")
+  return n
+
+
+def _chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+  return [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
+
+
+def _vet(out, n: int) -> tuple[np.ndarray | None, str]:
+  """`out` as float32[n], or (None, the reason it is unusable)."""
+  try:
+    scores = np.asarray([float(x) for x in out], dtype=np.float64)
+  except Exception as e:  # not iterable, or items that are not numbers
+    return None, f"returned an unusable value ({type(e).__name__}: {e})"
+  if len(scores) != n:
+    return None, f"returned {len(scores)} scores for {n} items"
+  if not np.all(np.isfinite(scores)):
+    return None, f"returned non-finite scores {scores[~np.isfinite(scores)][:4].tolist()}"
+  return scores.astype(np.float32), ""
+
+
+def _result(specs: Sequence[_Spec], scores_FN: np.ndarray, errors: int, timeouts: int) -> RewardResult:
+  weights_F = np.asarray([s.weight for s in specs], dtype=np.float64)
+  total_N = (weights_F[:, None] * scores_FN.astype(np.float64)).sum(axis=0).astype(np.float32)
+  per_fn = {s.name: scores_FN[k].astype(np.float32) for k, s in enumerate(specs)}
+  return RewardResult(total_N=total_N, per_fn=per_fn, errors=errors, timeouts=timeouts)
+
+
+def _score_specs(specs, prompts, completions, metadata, error_score: float, chunk_size: int | None) -> RewardResult:
+  n = _batch_size(prompts, completions, metadata)
+  metadata = [{}] * n if metadata is None else list(metadata)
+  scores_FN = np.full((len(specs), n), error_score, dtype=np.float32)
+  errors = 0
+  for k, spec in enumerate(specs):
+    for lo, hi in _chunks(n, chunk_size or n):
+      try:
+        scores, why = _vet(spec.fn(list(prompts[lo:hi]), list(completions[lo:hi]), metadata[lo:hi]), hi - lo)
+      except Exception as e:
+        scores, why = None, f"raised {type(e).__name__}: {e}"
+      if scores is None:
+        logging.warning("reward %r %s; items %d:%d scored %s", spec.name, why, lo, hi, error_score)
+        errors += hi - lo
+      else:
+        scores_FN[k, lo:hi] = scores
+  return _result(specs, scores_FN, errors, 0)
+
+
+def score_inline(fns: Sequence[tuple[str, float]], prompts: Sequence[str], completions: Sequence[str],
+                 metadata: Sequence[dict] | None = None, *, error_score: float = 0.0,
+                 chunk_size: int | None = None) -> RewardResult:
+  """`RewardPool.score` in the calling process: same scores and error counts, but no timeouts.
+
+  `chunk_size=None` calls each function once on the whole batch.
+  """
+  return _score_specs(_resolve_all(fns), prompts, completions, metadata, error_score, chunk_size)
+
+
+def _worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
+  """Worker loop: resolve the functions, report ready, then answer (k, prompts, completions, metadata) calls."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  sys.path[:] = list(sys_path) + [p for p in sys.path if p not in sys_path]
+  try:
+    fns = [rewards.resolve(p) for p in paths]
+  except Exception as e:
+    conn.send(("init_error", str(e)))
+    return
+  conn.send(("ready", None))
+  while True:
+    try:
+      msg = conn.recv()
+    except (EOFError, OSError):  # the parent went away
+      return
+    if msg is None:
+      return
+    k, prompts, completions, metadata = msg
+    try:
+      reply = ("ok", [float(x) for x in fns[k](prompts, completions, metadata)])
+    except Exception as e:
+      reply = ("error", f"raised {type(e).__name__}: {e}")
+    conn.send(reply)
+
+
+class _Worker:
+  """One worker process and the parent's end of its pipe, plus the call it is running, if any."""
+
+  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float):
+    self.conn, child_conn = ctx.Pipe(duplex=True)
+    self.proc = ctx.Process(target=_worker_main, args=(child_conn, sys_path, paths), daemon=True,
+                            name="reward-worker")
+    self.proc.start()
+    child_conn.close()
+    self.ready = False
+    self.start_deadline = time.monotonic() + start_timeout_s
+    self.call: tuple[int, int, int] | None = None  # (function index, lo, hi)
+    self.deadline = math.inf
+
+  def stop(self, *, graceful: bool = True) -> None:
+    """Asks an idle worker to exit (if `graceful`); terminates, then kills, one that does not. Always joins."""
+    if graceful and self.proc.is_alive() and self.ready and self.call is None:
+      with contextlib.suppress(OSError):
+        self.conn.send(None)
+      self.proc.join(_KILL_GRACE_S)
+    if self.proc.is_alive():
+      self.proc.terminate()
+      self.proc.join(_KILL_GRACE_S)
+    if self.proc.is_alive():
+      self.proc.kill()
+      self.proc.join()
+    self.conn.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+  for w in workers:
+    w.stop()
+  workers.clear()
+
+
+class RewardPool:
+  """Weighted reward functions run in `n_workers` killable processes. See the module docstring."""
+
+  def __init__(self, fns: Sequence[tuple[str, float]], *, n_workers: int = 2, timeout_s: float = 10.0,
+               error_score: float = 0.0, chunk_size: int | None = None, start_timeout_s: float = 60.0):
+    if n_workers < 0 or timeout_s <= 0 or (chunk_size is not None and chunk_size < 1):
+      raise ValueError(f"need n_workers >= 0, timeout_s > 0, chunk_size >= 1 or None; got n_workers={n_workers}, "
+                       f"timeout_s={timeout_s}, chunk_size={chunk_size}")
+    if not math.isfinite(error_score):
+      raise ValueError(f"error_score must be finite, got {error_score}")
+    self._specs = _resolve_all(fns)  # fails here, before any worker starts
+    self.n_workers, self.timeout_s, self.error_score, self.chunk_size = n_workers, timeout_s, error_score, chunk_size
+    self._start_timeout_s = start_timeout_s
+    self._ctx = multiprocessing.get_context("spawn")
+    self._workers: list[_Worker] = []
+    self._closed = False
+    self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+    try:
+      for _ in range(n_workers):
+        self._workers.append(self._new_worker())
+      while not all(w.ready for w in self._workers):
+        self._wait({})
+    except BaseException:
+      self.close()
+      raise
+
+  @property
+  def worker_pids(self) -> list[int]:
+    return [w.proc.pid for w in self._workers]
+
+  def _new_worker(self) -> _Worker:
+    return _Worker(self._ctx, list(sys.path), [s.name for s in self._specs], self._start_timeout_s)
+
+  def _replace(self, w: _Worker) -> None:
+    w.stop(graceful=False)
+    self._workers[self._workers.index(w)] = self._new_worker()
+
+  def _wait(self, outcomes: dict) -> None:
+    """Waits for one event (a reply, a death, a deadline) and handles every event that has happened.
+
+    A finished call is stored in `outcomes` as (function index, lo, hi) -> (scores, "error", "") on success,
+    or -> (None, "error" | "timeout", why) on failure.
+    """
+    active = [w for w in self._workers if w.call is not None or not w.ready]
+    deadlines = [w.deadline if w.ready else w.start_deadline for w in active]
+    timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    watched = [x for w in active for x in (w.conn, w.proc.sentinel)]
+    fired = set(multiprocessing.connection.wait(watched, timeout))
+    now = time.monotonic()
+    for w in list(self._workers):
+      if w.conn in fired or w.proc.sentinel in fired:
+        self._collect(w, outcomes)
+      elif w.call is not None and now >= w.deadline:
+        outcomes[w.call] = (None, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
+        self._replace(w)
+      elif not w.ready and now >= w.start_deadline:
+        raise RuntimeError(f"a reward worker did not start within {self._start_timeout_s} s")
+
+  def _collect(self, w: _Worker, outcomes: dict) -> None:
+    try:
+      kind, payload = w.conn.recv() if w.conn.poll() else ("died", None)
+    except (EOFError, OSError):
+      kind, payload = "died", None
+    if kind == "ready":
+      w.ready = True
+    elif kind == "init_error":
+      raise RuntimeError(f"a reward worker could not resolve its functions: {payload}")
+    elif not w.ready:
+      raise RuntimeError(f"a reward worker died while starting (exit code {w.proc.exitcode})")
+    elif kind == "died":
+      w.proc.join(_KILL_GRACE_S)  # reap it, so that its exit code is known
+      outcomes[w.call] = (None, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
+      self._replace(w)
+    else:
+      _, lo, hi = w.call
+      scores, why = _vet(payload, hi - lo) if kind == "ok" else (None, payload)
+      outcomes[w.call] = (scores, "error", why)
+      w.call, w.deadline = None, math.inf
+
+  def score(self, prompts: Sequence[str], completions: Sequence[str],
+            metadata: Sequence[dict] | None = None) -> RewardResult:
+    """Scores a batch with every function; failures get `error_score` and are counted (never raised)."""
+    if self._closed:
+      raise RuntimeError("RewardPool is closed")
+    if not self._workers:
+      return _score_specs(self._specs, prompts, completions, metadata, self.error_score, self.chunk_size)
+    n = _batch_size(prompts, completions, metadata)
+    metadata = [{}] * n if metadata is None else list(metadata)
+    prompts, completions = list(prompts), list(completions)
+    chunk = self.chunk_size or max(1, -(-n // self.n_workers))
+    todo = deque((k, lo, hi) for k in range(len(self._specs)) for lo, hi in _chunks(n, chunk))
+    outcomes: dict = {}
+    try:
+      while todo or any(w.call is not None for w in self._workers):
+        for w in self._workers:
+          if todo and w.ready and w.call is None:
+            k, lo, hi = todo.popleft()
+            try:
+              w.conn.send((k, prompts[lo:hi], completions[lo:hi], metadata[lo:hi]))
+            except OSError:  # the idle worker died (killed from outside): retry the call on a fresh one
+              todo.appendleft((k, lo, hi))
+              self._replace(w)
+              continue
+            w.call, w.deadline = (k, lo, hi), time.monotonic() + self.timeout_s
+        self._wait(outcomes)
+    except BaseException:  # e.g. Ctrl-C mid-call: workers hold stale calls, so the pool cannot go on
+      self.close()
+      raise
+    return self._assemble(outcomes, n)
+
+  def _assemble(self, outcomes: dict, n: int) -> RewardResult:
+    scores_FN = np.full((len(self._specs), n), self.error_score, dtype=np.float32)
+    counts = {"error": 0, "timeout": 0}
+    for (k, lo, hi), (scores, kind, why) in outcomes.items():
+      if scores is None:
+        logging.warning("reward %r %s; items %d:%d scored %s", self._specs[k].name, why, lo, hi, self.error_score)
+        counts[kind] += hi - lo
+      else:
+        scores_FN[k, lo:hi] = scores
+    return _result(self._specs, scores_FN, counts["error"], counts["timeout"])
+
+  def close(self) -> None:
+    """Stops and joins every worker. Idempotent."""
+    self._closed = True
+    self._finalizer()
+
+  def __enter__(self) -> "RewardPool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
