@@ -1,0 +1,289 @@
+"""A run's settings as typed, frozen dataclasses: what the ml-collections config becomes at the boundary.
+
+The ConfigDict of `configs/<name>.py` has one section per dataclass below:
+
+  model     ModelSpec          which weights (a preset shape, or a local HF directory)
+  data      PromptDataConfig   prompts (data/pipeline.py); data.task holds a built-in task's knobs
+  rollout   RolloutSpec        group size, sampling, engine sizes, weight-update policy
+  reward    RewardSpec         reward functions, worker pool, DAPO dynamic sampling and overlong shaping
+  rl        LossConfig         the objective (train/config.py); rl.group_size is the rollout's too
+  optim     OptimConfig        AdamW and its schedule
+  lora      LoraConfig
+  topology  TopologyConfig     the mode and each side's mesh axes (topology/carve.py)
+  run       RunSpec            steps, evaluation, checkpoints, staleness bound, logging
+
+`from_config_dict` converts and validates every field before anything compiles: an unknown key is
+rejected with the closest valid name, a wrong type names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from jaxrl_topo.data.pipeline import PromptDataConfig
+from jaxrl_topo.rollout.engine import UPDATE_POLICIES
+from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.topology.carve import TopologyConfig
+from jaxrl_topo.train.config import LoraConfig, LossConfig, OptimConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+  """A preset shape with random init (`preset`, plus `overrides` of ModelConfig fields) or `hf_dir`."""
+
+  preset: str = "tiny"
+  hf_dir: str | None = None  # local HF directory: weights, config.json, tokenizer.json
+  dtype: str = "float32"  # compute dtype; params stay fp32 for training
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields over the preset
+  init_seed: int = 0
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"model.dtype={self.dtype!r}; expected 'float32' or 'bfloat16'")
+    if self.hf_dir is not None and self.overrides:
+      raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+  """How completions are sampled (the group size lives in rl.group_size)."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  n_slots: int = 64  # engine decode slots
+  page_size: int = 16
+  n_pages: int = 0  # 0: enough for every slot at full length (no preemption)
+  decode_chunk: int = 8
+  update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
+  stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
+  eval_greedy: bool = True  # held-out accuracy with greedy decoding
+
+  def __post_init__(self):
+    if self.update_policy not in UPDATE_POLICIES:
+      raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
+    for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
+    self.sampling  # noqa: B018  (validates temperature / top-k / top-p / min-p now)
+
+  @property
+  def sampling(self) -> SamplingConfig:
+    return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
+
+ON_ERROR = ("score", "drop")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+  """Reward functions (import paths or built-in names, rl/rewards.py) and the shaping around them."""
+
+  fn: str = "task"  # the main reward: "task", "math_answer", "format" or "pkg.module:fn"
+  extra: dict[str, float] = dataclasses.field(default_factory=dict)  # more functions: name -> weight
+  n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
+  timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
+  error_score: float = 0.0
+  dynamic_sampling: bool = False  # DAPO: drop groups with zero reward variance, sample more prompts
+  max_sampling_rounds: int = 4  # dynamic sampling gives up (trains on what it has) after this many
+  overlong_buffer: int = 0  # DAPO soft overlong: the last `buffer` tokens before max_new_tokens cost
+  overlong_penalty: float = 1.0  # ...up to this much, linearly
+  overlong_filter: bool = False  # DAPO: completions cut at max_new_tokens get no loss
+
+  def __post_init__(self):
+    if self.n_workers < 0 or not self.timeout_s > 0 or self.max_sampling_rounds < 1 or self.overlong_buffer < 0:
+      raise ValueError("reward: n_workers >= 0, timeout_s > 0, max_sampling_rounds >= 1, overlong_buffer >= 0")
+
+  @property
+  def fns(self) -> tuple[tuple[str, float], ...]:
+    return ((self.fn, 1.0), *self.extra.items())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+  """The loop around the steps."""
+
+  steps: int = 20
+  seed: int = 0  # rollout sampling keys come from (seed, step, sequence, position)
+  n_micro: int = 1  # microbatches per train step
+  eval_every: int = 0  # held-out accuracy every N steps (0: only before and after)
+  eval_size: int = 0  # held-out prompts per evaluation (0: all)
+  max_staleness: int = 1  # eta, in weight versions: disaggregated uses 1 (0 = no overlap); async >= 1
+  land_after_chunks: int = 4  # async: a finished train step's weights land at most this many chunks late
+  checkpoint_every: int = 0  # 0: only at the end
+  keep_checkpoints: int = 2
+  log_every: int = 1
+  tensorboard: bool = True
+  plot: bool = True  # reward curve PNG at the end
+  profile_step: int = -1  # capture this step with jax.profiler (-1: none)
+  sft_steps: int = 0  # supervised warm-up on the training split's answers before RL (fresh runs only)
+  sft_lr: float = 3e-3
+  sft_batch: int = 64
+
+  def __post_init__(self):
+    if self.steps < 0 or self.n_micro < 1 or self.max_staleness < 0 or self.land_after_chunks < 1:
+      raise ValueError("run: steps >= 0, n_micro >= 1, max_staleness >= 0, land_after_chunks >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  model: ModelSpec
+  data: PromptDataConfig
+  rollout: RolloutSpec
+  reward: RewardSpec
+  rl: LossConfig
+  optim: OptimConfig
+  lora: LoraConfig
+  topology: TopologyConfig
+  run: RunSpec
+
+  def __post_init__(self):
+    mode = self.topology.mode
+    if mode == "colocated" and self.run.max_staleness != 0:
+      object.__setattr__(self, "run", dataclasses.replace(self.run, max_staleness=0))  # nothing overlaps
+    if mode == "async" and self.run.max_staleness < 1:
+      raise ValueError("async mode needs run.max_staleness >= 1 (eta, in weight versions)")
+    if self.rl.temperature != self.rollout.temperature:
+      raise ValueError(f"rl.temperature={self.rl.temperature} must equal rollout.temperature="
+                       f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
+    if self.reward.dynamic_sampling and self.rl.group_size < 2:
+      raise ValueError("reward.dynamic_sampling drops groups without reward variance: rl.group_size must be >= 2")
+
+  @property
+  def train(self) -> TrainConfig:
+    return TrainConfig(loss=self.rl, optim=self.optim, lora=self.lora, seed=self.run.seed)
+
+
+# ---------------------------------------------------------------- ConfigDict -> dataclasses
+
+
+def _plain(value: Any) -> Any:
+  """ConfigDict / FrozenConfigDict -> dict, lists -> tuples, recursively."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return tuple(_plain(v) for v in value)
+  return value
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    options = typing.get_args(hint)
+    if value is None and type(None) in options:
+      return None
+    errors = []
+    for option in options:
+      if option is type(None):
+        continue
+      try:
+        return _check_type(value, option, where)
+      except (TypeError, ValueError) as e:
+        errors.append(str(e))
+    raise TypeError(errors[0] if errors else f"{where}: got {value!r}")
+  if hint is Any:
+    return value
+  if origin is dict:
+    if not isinstance(value, dict):
+      raise TypeError(f"{where} must be a dict, got {type(value).__name__}")
+    _, vt = typing.get_args(hint)
+    return {k: _check_type(v, vt, f"{where}.{k}") for k, v in value.items()}
+  if origin is tuple:
+    if not isinstance(value, tuple):
+      raise TypeError(f"{where} must be a list/tuple, got {type(value).__name__}")
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    return value
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  wrong = isinstance(hint, type) and (hint is int and isinstance(value, bool) or not isinstance(value, hint))
+  if wrong:
+    raise TypeError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+  return value
+
+
+def build_dataclass(cls, value: Any, where: str):
+  """`cls(**value)` with every key checked (typos get a suggestion) and every field type-checked."""
+  value = _plain(value)
+  if not isinstance(value, dict):
+    raise TypeError(f"{where} must be a section (dict), got {type(value).__name__}")
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  kwargs = {}
+  for key, v in value.items():
+    if key not in names:
+      close = difflib.get_close_matches(key, names, n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {names}"
+      raise ValueError(f"config: unknown key {where}.{key}{hint}")
+    hint = hints[key]
+    sub = [t for t in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(t)]
+    if sub and isinstance(v, dict):
+      kwargs[key] = build_dataclass(sub[0], v, f"{where}.{key}")
+    else:
+      kwargs[key] = _check_type(v, hint, f"{where}.{key}")
+  try:
+    return cls(**kwargs)
+  except TypeError as e:  # a missing required field
+    raise ValueError(f"config section {where}: {e}") from None
+
+
+_SECTIONS = {"model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec, "reward": RewardSpec,
+             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec}
+
+
+def from_config_dict(config: Any) -> RunConfig:
+  """The whole run's settings, validated; errors name the offending key."""
+  config = _plain(config)
+  allowed = [*_SECTIONS, "topology"]
+  for key in config:
+    if key not in allowed:
+      close = difflib.get_close_matches(key, allowed, n=1)
+      raise ValueError(f"config: unknown section {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+  sections = {}
+  for name, cls in _SECTIONS.items():
+    sections[name] = build_dataclass(cls, config.get(name, {}), name)
+  sections["topology"] = TopologyConfig.from_dict(config.get("topology", {"mode": "colocated", "trainer": {},
+                                                                           "rollout": {}}))
+  return RunConfig(**sections)
+
+
+# ---------------------------------------------------------------- the ConfigDict every config file starts from
+
+
+def _defaults(cls, **required) -> dict:
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.name in required:
+      out[f.name] = required[f.name]
+    elif f.default is not dataclasses.MISSING:
+      out[f.name] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[f.name] = f.default_factory()
+  return out
+
+
+def base_config_dict():
+  """Every key a run reads, at its default; configs/<name>.py change what they need and `lock()` it,
+  so a typo in an override (`--config.rl.gruop_size=8`) is rejected with the closest valid key."""
+  import ml_collections
+
+  c = ml_collections.ConfigDict()
+  c.model = _defaults(ModelSpec)
+  c.data = _defaults(PromptDataConfig, source="arithmetic")
+  c.rollout = _defaults(RolloutSpec)
+  c.reward = _defaults(RewardSpec)
+  c.rl = _defaults(LossConfig, group_size=8)
+  c.optim = _defaults(OptimConfig)
+  c.lora = _defaults(LoraConfig)
+  c.topology = dict(mode="colocated", trainer={"fsdp": 1}, rollout={"data": 1}, reward_devices=0)
+  c.run = _defaults(RunSpec)
+  return c

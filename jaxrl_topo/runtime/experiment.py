@@ -1,0 +1,170 @@
+"""Everything a run needs, built once from a `RunConfig` before the first step (nothing compiles here).
+
+Order: carve the devices (topology), load the policy (a local HF directory; a preset is first written
+as one, with the built-in char tokenizer, so both paths are the same), place it on the trainer mesh
+(TRAIN_RULES), build the train state and its jitted step, a rollout copy on the rollout mesh
+(ROLLOUT_RULES) through a TransferPlan, the rollout engine, the reward worker pool and the prompts.
+Every size is checked here, so a bad config fails before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+from absl import logging
+
+from jaxrl_topo.data import pipeline
+from jaxrl_topo.models import hf_io
+from jaxrl_topo.models.config import ModelConfig
+from jaxrl_topo.models.fresh import write_fresh_model
+from jaxrl_topo.models.model import abstract_model
+from jaxrl_topo.models.presets import get_preset
+from jaxrl_topo.models.tokenizer import Tokenizer
+from jaxrl_topo.rl.reward_pool import RewardPool
+from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
+from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
+from jaxrl_topo.topology.rules import TRAIN_RULES
+from jaxrl_topo.topology.transfer import TransferPlan
+from jaxrl_topo.train.batch import Completion, build_batch
+from jaxrl_topo.train.lora import merge_lora
+from jaxrl_topo.train.optim import make_optimizer
+from jaxrl_topo.train.policy import PolicyFns, model_fns
+from jaxrl_topo.train.sft import make_sft_step
+from jaxrl_topo.train.state import TrainState, create_train_state
+from jaxrl_topo.train.step import make_train_step
+
+
+@dataclasses.dataclass
+class Experiment:
+  cfg: RunConfig
+  model_dir: str
+  model_cfg: ModelConfig
+  graphdef: object
+  tokenizer: Tokenizer
+  topology: Topology
+  fns: PolicyFns
+  state: TrainState
+  step_fn: object  # the jitted train step (state donated)
+  plan: TransferPlan  # trainer params -> rollout layout
+  engine: RolloutEngine
+  rewards: RewardPool
+  prompts: pipeline.PromptIterator
+  heldout: list[dict]
+  stop_ids: tuple[int, ...]  # besides EOS: the answer ends at a newline
+  resp_len: int
+  row_len: int
+
+  def close(self) -> None:
+    self.rewards.close()
+
+
+def model_dir_for(cfg: RunConfig, workdir: str) -> str:
+  """The HF directory the policy starts from: `model.hf_dir`, or a preset written once to the workdir."""
+  if cfg.model.hf_dir is not None:
+    if not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
+      raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json")
+    return cfg.model.hf_dir
+  path = os.path.join(workdir, "init_model")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    try:
+      model_cfg = dataclasses.replace(get_preset(cfg.model.preset), **cfg.model.overrides)
+    except TypeError as e:
+      raise ValueError(f"model.overrides: {e}") from None
+    if jax.process_index() == 0:
+      write_fresh_model(path, model_cfg, seed=cfg.model.init_seed)
+    _barrier("init_model")
+  return path
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def warm_up(cfg: RunConfig, params, fns: PolicyFns, tokenizer: Tokenizer, train_examples: list[dict], *,
+            row_len: int, resp_len: int):
+  """`run.sft_steps` of supervised warm-up (train/sft.py) on the training split's reference answers,
+  each followed by the first stop string (or EOS), so the model learns where an answer ends."""
+  rc = cfg.run
+  end = tokenizer.encode(cfg.rollout.stop[0]) if cfg.rollout.stop else list(tokenizer.eos_token_ids[:1])
+  pairs = [(ex["prompt_ids"], (tokenizer.encode(str(ex["answer"])) + end)[:resp_len]) for ex in train_examples
+           if ex.get("answer")]
+  if not pairs:
+    raise ValueError("run.sft_steps > 0 needs training prompts with reference answers")
+  tx = optax.adamw(rc.sft_lr)
+  step, opt_state = make_sft_step(fns, tx, params)
+  rng = np.random.default_rng(rc.seed)
+  t0 = time.perf_counter()
+  for i in range(rc.sft_steps):
+    pick = rng.choice(len(pairs), size=rc.sft_batch, replace=len(pairs) < rc.sft_batch)
+    comps = [Completion(pairs[j][0], pairs[j][1], 0.0, [0.0] * len(pairs[j][1])) for j in pick]
+    batch = build_batch(comps, n_micro=1, rows=rc.sft_batch, row_len=row_len, resp_len=resp_len, pack=False)
+    params, opt_state, loss = step(params, opt_state, batch)
+    if (i + 1) % 10 == 0 or i + 1 == rc.sft_steps:
+      logging.info("sft warm-up %d/%d: loss %.3f (%.0f s)", i + 1, rc.sft_steps, float(loss),
+                   time.perf_counter() - t0)
+  return params
+
+
+def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
+  """`warmup=False` skips the supervised warm-up (a resumed run restores its trained state)."""
+  os.makedirs(workdir, exist_ok=True)
+  topology = carve(cfg.topology)
+  model_dir = model_dir_for(cfg, workdir)
+  tokenizer = Tokenizer.from_dir(model_dir)
+  model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype)
+  graphdef, abstract = abstract_model(model_cfg)
+  shardings = check_model_fits(topology, abstract)
+  log_sharding_table(abstract, topology)
+
+  resp_len = cfg.rollout.max_new_tokens
+  row_len = cfg.data.max_prompt_len + resp_len
+  rollout = cfg.rollout
+  max_len = -(-row_len // rollout.page_size) * rollout.page_size
+  n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
+  ecfg = EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
+                      decode_chunk=rollout.decode_chunk, sampling=rollout.sampling,
+                      eos_ids=tuple(tokenizer.eos_token_ids), pad_id=tokenizer.pad_token_id or 0)
+  if cfg.rl.group_size > rollout.n_slots:
+    raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={rollout.n_slots}: a group is "
+                     "generated at once")
+  prompts = pipeline.make_prompt_iterator(cfg.data, tokenizer, process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+  heldout = pipeline.load_prompts(cfg.data, tokenizer, "heldout").examples
+  if cfg.run.eval_size:
+    heldout = heldout[: cfg.run.eval_size]
+  rewards = RewardPool(cfg.reward.fns, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
+                       error_score=cfg.reward.error_score)
+
+  _, _, params = hf_io.load_model(model_dir, topology.trainer, TRAIN_RULES, dtype=cfg.model.dtype)
+  tcfg = cfg.train
+  tx = make_optimizer(tcfg.optim)
+  fns = model_fns(graphdef)
+  if warmup and cfg.run.sft_steps:
+    train_examples = pipeline.load_prompts(cfg.data, tokenizer, "train").examples
+    params = warm_up(cfg, params, fns, tokenizer, train_examples, row_len=row_len, resp_len=resp_len)
+  state = create_train_state(params, tcfg, tx, d_model=model_cfg.d_model)  # donates `params`
+  step_fn = make_train_step(fns, tcfg, tx, state, mesh=topology.trainer, rules=TRAIN_RULES)
+  policy = merge_lora(state.frozen, state.params["policy"], cfg.lora) if cfg.lora.enabled else state.params["policy"]
+  # Same layout and dtype on both sides (colocated, fp32) makes the plan zero-copy: the engine then
+  # reads the trainer's arrays, which the next train step donates; every sync replaces them.
+  plan = TransferPlan.build(policy, shardings["rollout"], dst_dtype=jax.numpy.dtype(model_cfg.dtype))
+  rollout_params, _ = plan.run(policy)
+  detok = lambda ids: tokenizer.decode(ids)  # noqa: E731
+  engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
+                         detokenize=detok)
+  newline = tokenizer.encode("\n")
+  stop_ids = tuple(newline) if len(newline) == 1 else ()
+  logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
+               model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
+  return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
+                    topology=topology, fns=fns, state=state, step_fn=step_fn, plan=plan, engine=engine,
+                    rewards=rewards, prompts=prompts, heldout=heldout, stop_ids=stop_ids, resp_len=resp_len,
+                    row_len=row_len)

@@ -1,0 +1,294 @@
+"""The RL controller: one loop, three modes, the same algorithm code (DESIGN §4-5).
+
+A rollout batch k is produced by the engine under some weight version, scored, and consumed by train
+step k; after step k the trainer's weights are version k + 1 and are synced to the rollout side.
+The modes differ only in what may overlap, which the loop expresses with one bound, eta
+(`run.max_staleness`), and one switch (weights land between decode chunks or between batches):
+
+  colocated      eta = 0: rollout k, train k, sync; one set of devices, the KV pool released while training
+  disaggregated  eta = 1: rollout k+1 runs on its own devices while train k (dispatched, not awaited) runs;
+                 weights land between batches, so batch k+1 is one version behind (eta = 0: sequential)
+  async          eta >= 1: rollout batches run back to back; a finished train step's weights land between
+                 decode chunks under the engine's update policy, so a sequence can mix versions
+
+Pacing, never discarding: batch k is only started once the trainer has reached version k - eta, so
+every token of batch k was sampled at most eta versions before the step that trains on it. The loss
+corrects the gap with truncated importance weights against the sampler's log-probs (rl.is_cap).
+Every decision is a function of step and chunk counters, never of wall-clock readiness, so every
+process of a multi-process run takes the same decisions and a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
+from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.topology.rules import TRAIN_RULES
+from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch
+from jaxrl_topo.train.lora import merge_lora
+from jaxrl_topo.train.step import check_batch
+
+_ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """One step's scored rollout batch, group-major."""
+
+  step: int
+  examples: list[dict]  # one per group
+  samples: list[Sample]
+  rewards_N: np.ndarray  # shaped rewards the loss uses
+  correct_N: np.ndarray  # the main reward function's raw score
+  info: dict  # reward errors/timeouts, dynamic-sampling counts, seconds
+  data_state: dict  # the prompt iterator's state right after this batch was drawn
+
+
+@dataclasses.dataclass
+class _InFlight:
+  step: int
+  traj: Trajectories
+  metrics: dict  # device scalars
+  t0: float
+  chunks: int = 0  # decode chunks run since dispatch (async landing rule)
+
+
+# ---------------------------------------------------------------- rollout + rewards
+
+
+def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:
+  r = exp.cfg.rollout
+  stop_ids = tuple(i for s in r.stop for i in _single_id(exp, s))
+  stop_strings = tuple(s for s in r.stop if not _single_id(exp, s))
+  return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=r.max_new_tokens, stop_ids=stop_ids,
+                  stop_strings=stop_strings) for ex in examples]
+
+
+def _single_id(exp: Experiment, s: str) -> tuple[int, ...]:
+  ids = exp.tokenizer.encode(s)
+  return tuple(ids) if len(ids) == 1 else ()
+
+
+def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
+  return [exp.tokenizer.decode(s.tokens) for s in samples]
+
+
+def score(exp: Experiment, examples: list[dict], samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, dict]:
+  """(shaped rewards, main-function scores, info) for group-major samples of `examples`."""
+  G = exp.cfg.rl.group_size
+  meta = [examples[i // G] for i in range(len(samples))]
+  result = exp.rewards.score([m["prompt"] for m in meta], _texts(exp, samples), meta)
+  main = result.per_fn[exp.cfg.reward.fn]
+  rewards = result.total_N.astype(np.float32).copy()
+  rc = exp.cfg.reward
+  if rc.overlong_buffer:  # DAPO soft overlong punishment: linear over the last `buffer` tokens
+    limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
+    over = np.array([max(0, len(s.tokens) - limit) for s in samples], np.float32)
+    rewards -= rc.overlong_penalty * over / rc.overlong_buffer
+  return rewards, main, {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
+
+
+def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None) -> Trajectories:
+  """Draws a prompt batch, samples G completions each, scores them; DAPO dynamic sampling draws more
+  batches until `data.batch_size` groups have reward variance (or `max_sampling_rounds` are spent)."""
+  cfg, G = exp.cfg, exp.cfg.rl.group_size
+  want = cfg.data.batch_size
+  keep, spare, info = [], [], collections.Counter()
+  t0 = time.perf_counter()
+  for round_ in range(cfg.reward.max_sampling_rounds if cfg.reward.dynamic_sampling else 1):
+    examples = next(exp.prompts)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.run.seed), _ROLLOUT_TAG),
+                                                step), round_)
+    t = time.perf_counter()
+    samples = exp.engine.run(_requests(exp, examples), on_chunk, key=key)
+    info["time/rollout_s"] += time.perf_counter() - t
+    t = time.perf_counter()
+    rewards, main, rinfo = score(exp, examples, samples)
+    info["time/reward_s"] += time.perf_counter() - t
+    info.update(rinfo)
+    for g, ex in enumerate(examples):
+      group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
+      varied = np.ptp(group[2]) > 0
+      (keep if varied or not cfg.reward.dynamic_sampling else spare).append(group)
+    info["dapo/rounds"] = round_ + 1
+    if len(keep) >= want:
+      break
+  info["dapo/dropped_groups"] = len(spare)
+  groups = (keep + spare)[:want]  # short after the last round: fill with zero-variance groups
+  info["time/rollout_total_s"] = time.perf_counter() - t0
+  return Trajectories(step=step, examples=[g[0] for g in groups], samples=[s for g in groups for s in g[1]],
+                      rewards_N=np.concatenate([g[2] for g in groups]),
+                      correct_N=np.concatenate([g[3] for g in groups]), info=dict(info),
+                      data_state=exp.prompts.get_state())
+
+
+# ---------------------------------------------------------------- train side
+
+
+def make_batch(exp: Experiment, traj: Trajectories) -> TrainBatch:
+  G, n_micro = exp.cfg.rl.group_size, exp.cfg.run.n_micro
+  comps = [Completion(traj.examples[i // G]["prompt_ids"], s.tokens, float(r), s.logprobs)
+           for i, (s, r) in enumerate(zip(traj.samples, traj.rewards_N, strict=True))]
+  batch = build_batch(comps, n_micro=n_micro, rows=len(comps) // n_micro, row_len=exp.row_len, resp_len=exp.resp_len,
+                      pack=False)
+  if exp.cfg.reward.overlong_filter:  # DAPO: completions cut by the length limit carry no loss
+    cut = np.array([s.finish_reason == "length" for s in traj.samples]).reshape(batch.mask_MBT.shape[:2])
+    batch.mask_MBT[cut] = 0.0
+  return batch
+
+
+def policy_params(exp: Experiment, state):
+  """The full policy weights of a train state (LoRA adapters merged into the frozen base)."""
+  if exp.cfg.lora.enabled:
+    return _merge(exp.cfg.lora)(state.frozen, state.params["policy"])
+  return state.params["policy"]
+
+
+_MERGE_CACHE: dict = {}
+
+
+def _merge(lora_cfg):
+  if lora_cfg not in _MERGE_CACHE:
+    _MERGE_CACHE[lora_cfg] = jax.jit(lambda base, adapters: merge_lora(base, adapters, lora_cfg))
+  return _MERGE_CACHE[lora_cfg]
+
+
+def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict:
+  """Trainer weights (version `version`) -> the rollout layout -> the engine."""
+  t = time.perf_counter()
+  params, stats = exp.plan.run(policy_params(exp, exp.state))
+  jax.block_until_ready(params)
+  exp.engine.update_weights(params, version, policy)
+  return {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(getattr(stats, "bytes_moved", 0) or 0)}
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate(exp: Experiment, tag: int = 0) -> float:
+  """Held-out accuracy (0..1): the main reward function's mean score, one greedy sample per prompt."""
+  if not exp.heldout:
+    return float("nan")
+  r = exp.cfg.rollout
+  saved = exp.engine.ecfg
+  if r.eval_greedy:
+    from jaxrl_topo.rollout.sampling import SamplingConfig
+    exp.engine.ecfg = dataclasses.replace(saved, sampling=SamplingConfig(greedy=True))
+  try:
+    reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
+    samples = exp.engine.run(reqs, key=key)
+  finally:
+    exp.engine.ecfg = saved
+  result = exp.rewards.score([ex["prompt"] for ex in exp.heldout], _texts(exp, samples), exp.heldout)
+  return float(np.mean(result.per_fn[exp.cfg.reward.fn]))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class LoopHooks:
+  """What the launcher plugs in: metrics sink, checkpointing, eval cadence."""
+
+  on_step: Callable[[int, dict], None] = lambda step, metrics: None
+  on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
+  should_eval: Callable[[int], bool] = lambda step: False
+  on_produced: Callable[[int], None] = lambda step: None  # a rollout batch is ready
+
+
+def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int) -> dict:
+  lens = np.array([len(s.tokens) for s in traj.samples])
+  lags = np.array([version_at_train - g for s in traj.samples for g in s.gen_ids])
+  out = {"reward_mean": float(traj.rewards_N.mean()), "reward_std": float(traj.rewards_N.std()),
+         "reward/correct": float(traj.correct_N.mean()), "response/length_mean": float(lens.mean()),
+         "response/length_max": int(lens.max()), "response/truncated_frac": float(
+             np.mean([s.finish_reason == "length" for s in traj.samples])),
+         "staleness/max": int(lags.max()), "staleness/mean": float(lags.mean()),
+         "perf/tokens": int(lens.sum())}
+  out.update(traj.info)
+  out.update({k: float(v) for k, v in train.items()})
+  out["_lags"] = lags
+  return out
+
+
+def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None = None) -> dict:
+  """Runs steps [start_step, run.steps); returns the last step's metrics."""
+  hooks = hooks or LoopHooks()
+  cfg = exp.cfg
+  mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps
+  version = start_step  # the trainer's weights version == steps trained
+  ready: collections.deque[Trajectories] = collections.deque()
+  pending: _InFlight | None = None
+  produced = start_step
+  last: dict = {}
+  checked = False
+  deferred: collections.deque[tuple[int, dict]] = collections.deque()
+
+  def dispatch(traj: Trajectories) -> _InFlight:
+    nonlocal checked
+    batch = make_batch(exp, traj)
+    if not checked:
+      check_batch(batch, exp.topology.trainer, TRAIN_RULES, cfg.rl.group_size)
+      checked = True
+    if mode == "colocated":
+      exp.engine.release_kv()
+    t0 = time.perf_counter()
+    exp.state, metrics = exp.step_fn(exp.state, batch)
+    return _InFlight(traj.step, traj, metrics, t0)
+
+  def land(flight: _InFlight, policy: str) -> None:
+    nonlocal version
+    train = jax.device_get(flight.metrics)
+    t_train = time.perf_counter() - flight.t0
+    version += 1
+    sync = sync_weights(exp, version, policy)
+    m = _step_metrics(flight.traj, train, version - 1, cfg.rl.group_size)
+    m.update(sync)
+    m["time/train_s"] = t_train
+    m["version"] = version
+    if m["staleness/max"] > eta:
+      raise AssertionError(f"step {flight.step}: a token {m['staleness/max']} versions old exceeds eta={eta}")
+    hooks.on_trained(flight.step, flight.traj)  # the state is exactly version step + 1 here (checkpoints)
+    deferred.append((flight.step, m))  # eval and logging wait until no engine.run is in progress
+
+  def drain() -> None:
+    nonlocal last
+    while deferred:
+      step, m = deferred.popleft()
+      if hooks.should_eval(step + 1):
+        m["eval/accuracy"] = evaluate(exp, tag=step + 1)
+      last = m
+      hooks.on_step(step, m)
+
+  def tick(engine: RolloutEngine) -> None:  # async: between decode chunks
+    nonlocal pending
+    if pending is None:
+      return
+    pending.chunks += 1
+    if pending.chunks >= cfg.run.land_after_chunks:
+      land(pending, cfg.rollout.update_policy)
+      pending = dispatch(ready.popleft()) if ready else None
+
+  while version < steps:
+    if pending is None and ready:
+      pending = dispatch(ready.popleft())
+    if produced < steps and produced <= version + eta and len(ready) <= eta:
+      on_chunk = tick if mode == "async" else None
+      ready.append(rollout(exp, produced, on_chunk))
+      hooks.on_produced(produced)
+      produced += 1
+    elif pending is not None:
+      flight, pending = pending, None
+      land(flight, "keep_kv")  # between batches no sequence is live: every policy is the same
+    elif not ready:
+      raise RuntimeError(f"controller stalled at version {version}, produced {produced}")  # a bug, never input
+    drain()
+  return last

@@ -1,0 +1,180 @@
+"""A whole training run: build, resume if a checkpoint exists, evaluate, train, checkpoint, summarise.
+
+`<workdir>` afterwards holds:
+  init_model/        the random-init HF directory (preset runs only)
+  checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
+  metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
+  summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, ...
+
+Resume: the newest complete checkpoint restores the train state, the weights version (gen_id =
+step) and the prompt iterator; batches that were generated but not yet trained when the process
+died are dropped and regenerated from the same prompts under the restored weights. In colocated
+mode nothing was in flight, so a resumed run repeats the uninterrupted run's later steps exactly
+(sampling keys come from (seed, step, sequence, position)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import jax
+from absl import logging
+
+from jaxrl_topo.runtime import experiment as experiment_lib
+from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
+from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.runtime.metrics import MetricsWriter
+
+
+def _kill_point(name: str, step: int, before: Callable[[], None] | None = None) -> None:
+  """Test hook: JAXRL_KILL_AT=<name>:<step> ends the process abruptly there (as a SIGKILL would),
+  after `before()` (e.g. letting earlier checkpoints commit, so the kill lands mid-step, not mid-save)."""
+  if os.environ.get("JAXRL_KILL_AT") == f"{name}:{step}":
+    if before is not None:
+      before()
+    logging.warning("JAXRL_KILL_AT: exiting at %s of step %d", name, step)
+    os._exit(137)
+
+
+def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
+  """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary."""
+  t0 = time.perf_counter()
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints)
+  latest = ckpt.latest_step()
+  exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  start, before = 0, None
+  try:
+    if latest is not None:
+      exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
+      start, before = meta["step"], meta.get("accuracy_before")
+      exp.prompts.set_state(meta["data_state"])
+      if start > 0:
+        loop_lib.sync_weights(exp, start)
+      logging.info("resumed from step %d of %s", start, workdir)
+    if before is None:
+      before = loop_lib.evaluate(exp, tag=0)
+    logging.info("held-out accuracy before RL: %.3f", before)
+    writer = MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard and _main(),
+                           progress=progress and _main(), start_step=start, resume=start > 0)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before)
+    last = loop_lib.train_loop(exp, start_step=start, hooks=hooks)
+    after = loop_lib.evaluate(exp, tag=cfg.run.steps)
+    if cfg.run.steps > start:
+      _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before)
+    writer.close(plot=cfg.run.plot and _main())
+    summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
+               "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
+               "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir}
+    if _main():
+      with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+  finally:
+    ckpt.close()
+    exp.close()
+
+
+def _main() -> bool:
+  return jax.process_index() == 0
+
+
+def _save(ckpt: Checkpointer, cfg: RunConfig, exp, step: int, data_state, before) -> None:
+  meta = {"step": step, "gen_id": step, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
+          "accuracy_before": before, "in_flight": "dropped: regenerated from the saved data state on resume"}
+  ckpt.save(step, exp.state, meta)
+
+
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float):
+  """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
+  every = cfg.run.eval_every
+  seen = {"data_state": None}
+
+  def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
+    done = step + 1
+    seen["data_state"] = traj.data_state
+    _kill_point("trained", done)
+    if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
+      _save(ckpt, cfg, exp, done, traj.data_state, before)
+      _kill_point("saving", done)
+
+  def on_step(step: int, m: dict) -> None:
+    lags = m.pop("_lags", None)
+    total = sum(v for k, v in m.items() if k in ("time/rollout_total_s", "time/train_s", "time/sync_s"))
+    if total:
+      m["perf/tokens_per_s"] = m.get("perf/tokens", 0) / total
+      m["time/step_s"] = total
+    if _main() and (step % cfg.run.log_every == 0 or "eval/accuracy" in m):
+      writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
+      if lags is not None:
+        writer.log_histogram(step, "staleness", lags.tolist())
+
+  def on_produced(step: int) -> None:
+    _kill_point("rollout", step, ckpt.wait)  # the middle of a step: rolled out, not yet trained
+
+  def should_eval(done: int) -> bool:
+    return bool(every) and done % every == 0 and done < cfg.run.steps
+
+  return loop_lib.LoopHooks(on_step=on_step, on_trained=on_trained, should_eval=should_eval,
+                            on_produced=on_produced), seen
+
+
+# ---------------------------------------------------------------- the run's config on disk, and export
+
+CONFIG_FILE = "config.json"
+
+
+def save_config(config, workdir: str) -> None:
+  """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back."""
+  if _main():
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+      f.write(config.to_json(indent=2))
+
+
+def load_config(workdir: str) -> RunConfig:
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir} a run directory of launchers/train.py?")
+  with open(path) as f:
+    return from_config_dict(json.load(f))
+
+
+def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | None = None) -> int:
+  """Writes the policy of checkpoint `step` (default: newest) as an HF directory; returns the step."""
+  import shutil
+
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.topology.carve import carve
+  from jaxrl_topo.topology.rules import TRAIN_RULES
+  from jaxrl_topo.train.optim import make_optimizer
+  from jaxrl_topo.train.state import create_train_state
+
+  cfg = load_config(workdir)
+  model_dir = experiment_lib.model_dir_for(cfg, workdir)
+  trainer = carve(cfg.topology).trainer
+  model_cfg, _, params = hf_io.load_model(model_dir, trainer, TRAIN_RULES, dtype=cfg.model.dtype)
+  state = create_train_state(params, cfg.train, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
+  with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
+    state, _ = ckpt.restore(step, abstract_like(state))
+  policy = state.params["policy"]
+  if cfg.lora.enabled:
+    from jaxrl_topo.train.lora import merge_lora
+    policy = merge_lora(state.frozen, policy, cfg.lora)
+  tokenizer_files = [f for f in os.listdir(model_dir) if f.startswith(("tokenizer", "special_tokens", "chat_template",
+                                                                      "generation_config"))]
+  with open(os.path.join(model_dir, "config.json")) as f:
+    eos = json.load(f).get("eos_token_id")
+  hf_io.save_model(out_dir, model_cfg, policy, dtype=dtype, eos_token_id=eos)
+  if _main():
+    for name in tokenizer_files:
+      shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+  return step

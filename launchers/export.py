@@ -1,0 +1,30 @@
+"""Write a trained policy as a Hugging Face directory (safetensors + config + tokenizer).
+
+  python launchers/export.py --workdir=/tmp/run --out=/tmp/run/hf [--step=N --dtype=bfloat16]
+
+Reads the run's config.json and its newest (or the given) checkpoint; LoRA adapters are merged.
+`transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result.
+"""
+
+from collections.abc import Sequence
+
+from absl import app, flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory of launchers/train.py.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Output HF directory.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Saved dtype (default: the params' own).")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from jaxrl_topo.runtime import distributed, run
+
+  distributed.initialize()
+  step = run.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
+  print(f"wrote the policy of step {step} to {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
