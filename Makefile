@@ -24,12 +24,13 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 install: $(VENV)/.core
 install-test: $(VENV)/.test
 
+# The demo: a random-init char-level model, a short supervised warm-up, then GRPO on string
+# reversal (configs/grpo_task.py:tiny); prints held-out accuracy before and after RL.
 demo: $(VENV)/.core
-	$(BIN)/python launchers/init_model.py --preset=tiny --out=runs/demo/tiny_model
-	$(BIN)/python launchers/generate.py --model=runs/demo/tiny_model --prompts=examples/prompts.jsonl \
-	  --out=runs/demo/completions.jsonl --chat --max_new_tokens=32 --temperature=0.8 --top_p=0.95
-	@echo "--- runs/demo/completions.jsonl (a random tiny model: the text is noise, the pipeline is real)"
-	@cut -c1-200 runs/demo/completions.jsonl
+	rm -rf runs/demo
+	$(BIN)/python launchers/train.py --config=configs/grpo_task.py:tiny --workdir=runs/demo
+	@echo "--- runs/demo: summary.json, metrics.jsonl, reward_curve.png, tb/ (tensorboard --logdir runs/demo/tb)"
+	@cat runs/demo/summary.json
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .

@@ -48,18 +48,10 @@ def _cfg(mode: str, steps: int, **kw):
   return from_config_dict(c)
 
 
-def _params(workdir):
-  from jaxrl_topo.runtime.checkpoint import Checkpointer
-  with Checkpointer(os.path.join(workdir, "checkpoints")) as ck:
-    step = ck.latest_step()
-    import orbax.checkpoint as ocp  # noqa: F401
-  return step
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "async"])
+@pytest.mark.parametrize("mode", ["disaggregated", "async"])  # colocated: the learning and resume tests
 def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, tmp_path):
-  eta = {"colocated": 0, "disaggregated": 1, "async": 2}[mode]
+  eta = {"disaggregated": 1, "async": 2}[mode]
   cfg = _cfg(mode, steps=6, **{"run.max_staleness": eta, "run.land_after_chunks": 1})
   summary = run_lib.train(cfg, str(tmp_path), progress=False)
   assert summary["mode"] == mode and summary["steps"] == 6
@@ -95,7 +87,7 @@ def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameter
   assert all(v > 0 for v in jax.tree.leaves(moved))
 
 
-def _launch(workdir, steps, kill_at=None, **overrides):
+def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
   import subprocess
   import sys
 
@@ -106,26 +98,127 @@ def _launch(workdir, steps, kill_at=None, **overrides):
          os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={workdir}", "--noprogress",
          *[f"--config.{k}={v}" for k, v in flags.items()]]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  if cache_dir:  # the launches compile the same programs: share them through JAX's persistent cache
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   env.pop("JAXRL_KILL_AT", None)
   if kill_at:
     env["JAXRL_KILL_AT"] = kill_at
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  """An uninterrupted 6-step run of the launcher (checkpoints every 2 steps), and a compile cache."""
+  root = tmp_path_factory.mktemp("launched")
+  done = _launch(root / "ref", steps=6, cache_dir=root / "cache")
+  assert done.returncode == 0, done.stderr[-3000:]
+  return root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["rollout:3", "saving:4"])  # mid-step; mid-save (async write in flight)
-def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, tmp_path):
+def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, launched, tmp_path):
 
-  ref = tmp_path / "ref"
-  done = _launch(ref, steps=6)
-  assert done.returncode == 0, done.stderr[-3000:]
   run = tmp_path / "killed"
-  killed = _launch(run, steps=6, kill_at=kill_at)
+  killed = _launch(run, steps=6, kill_at=kill_at, cache_dir=launched / "cache")
   assert killed.returncode == 137, f"the kill point {kill_at} was not reached:\n{killed.stderr[-3000:]}"
-  resumed = _launch(run, steps=6)
+  resumed = _launch(run, steps=6, cache_dir=launched / "cache")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   with open(run / "summary.json") as f:
     assert json.load(f)["resumed_from"] == 2
-  want, got = comparable(read_metrics(str(ref))), comparable(read_metrics(str(run)))
+  want, got = comparable(read_metrics(str(launched / "ref"))), comparable(read_metrics(str(run)))
   assert [r["step"] for r in got] == list(range(6))
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
+
+
+def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
+  import jax
+  import torch
+  import transformers
+
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.models.model import forward
+  from jaxrl_topo.runtime.checkpoint import Checkpointer
+
+  out = tmp_path / "hf"
+  assert run_lib.export(str(launched / "ref"), str(out)) == 6
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  tokens = np.array([[5, 9, 23, 40, 86, 7]], np.int32)
+  with torch.no_grad():
+    want = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  cfg, graphdef, params = hf_io.load_model(str(out), dtype="float32")
+  got = np.asarray(forward(graphdef, params, tokens, np.arange(6, dtype=np.int32)[None])[0])
+  np.testing.assert_allclose(got, want, atol=1e-4)
+  # The exported weights are the trained ones, not the initial model's.
+  _, _, init = hf_io.load_model(str(launched / "ref" / "init_model"), dtype="float32")
+  assert not np.array_equal(np.asarray(init["embed_tokens"]), np.asarray(params["embed_tokens"]))
+  with Checkpointer(str(launched / "ref" / "checkpoints")) as ck:
+    assert ck.latest_step() == 6
+  del jax
+
+
+@pytest.mark.slow
+def test_shortened_demo_raises_the_reward(tmp_path):
+  """The demo config (colocated, real reward worker processes), shortened: the reward must rise."""
+  cfg = _cfg("colocated", steps=30, **{"run.sft_steps": 120, "data.batch_size": 16, "rl.group_size": 16,
+                                       "run.eval_size": 64, "rollout.n_slots": 256, "reward.n_workers": 2})
+  summary = run_lib.train(cfg, str(tmp_path), progress=False)
+  rewards = [r["reward_mean"] for r in read_metrics(str(tmp_path))]
+  first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
+  assert last > first + 0.1, f"reward did not rise: first steps {first:.3f}, last steps {last:.3f}"
+  assert summary["accuracy_after"] > summary["accuracy_before"]
+
+
+def test_config_typos_are_rejected_with_a_suggestion():
+  c = load_config("grpo_task", "tiny")
+  with pytest.raises(AttributeError, match="group_size"):
+    c.rl.gruop_size = 8  # a locked ConfigDict: ml-collections suggests the valid key
+  raw = c.to_dict()
+  raw["rl"]["gruop_size"] = 8
+  with pytest.raises(ValueError, match="unknown key rl.gruop_size; did you mean 'group_size'"):
+    from_config_dict(raw)
+  raw = c.to_dict()
+  raw["rollout"]["max_new_tokens"] = "many"
+  with pytest.raises(TypeError, match="rollout.max_new_tokens must be int"):
+    from_config_dict(raw)
+  raw = c.to_dict()
+  raw["topology"]["mode"] = "colocted"
+  with pytest.raises(ValueError, match="colocated"):
+    from_config_dict(raw)
+
+
+@pytest.mark.parametrize("name, arg", [("grpo_task", "tiny"), ("grpo_task", "small"), ("ppo_critic", "tiny"),
+                                       ("dapo", "tiny"), ("grpo_gsm8k", "/models/qwen")])
+def test_every_shipped_config_converts(name, arg):
+  cfg = from_config_dict(load_config(name, arg))
+  assert cfg.rl.group_size >= 1 and cfg.run.steps > 0
+
+
+@pytest.mark.slow
+def test_gsm8k_config_runs_on_a_tiny_random_qwen_directory(tmp_path):
+  """The GSM8K recipe end to end on a tiny random Qwen2-shaped HF directory and a 6-row JSONL."""
+  import dataclasses
+
+  from jaxrl_topo.models.fresh import write_fresh_model
+  from jaxrl_topo.models.presets import get_preset
+
+  model_dir = tmp_path / "qwen"
+  write_fresh_model(str(model_dir), dataclasses.replace(get_preset("tiny"), family="qwen2", qk_norm=False,
+                                                        qkv_bias=True))
+  rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} plus {b} is {a + b}.\n#### {a + b}"}
+          for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4)]]
+  for name in ("train.jsonl", "test.jsonl"):
+    with open(tmp_path / name, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  c = load_config("grpo_gsm8k", str(model_dir), **{
+      "data.source": str(tmp_path / "train.jsonl"), "data.eval_source": str(tmp_path / "test.jsonl"),
+      "data.batch_size": 2, "rl.group_size": 2, "rollout.max_new_tokens": 8, "rollout.n_slots": 8,
+      "model.dtype": "float32", "run.steps": 2, "run.eval_every": 0, "run.eval_size": 4, "run.n_micro": 1,
+      "run.checkpoint_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
+      "data.max_prompt_len": 128})
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"data": 2})
+  summary = run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
+  records = read_metrics(str(tmp_path / "run"))
+  assert summary["steps"] == 2 and len(records) == 2
+  assert all(0.0 <= r["reward/correct"] <= 1.0 for r in records)

@@ -155,14 +155,17 @@ def _check_batch(prompts: list[str], completions: list[str], metadata: list[dict
 def math_answer(prompts: list[str], completions: list[str], metadata: list[dict]) -> list[float]:
   """1.0 where `extract_answer(completion)` equals `metadata[i]["answer"]` (see `answers_equal`), else 0.0.
 
-  The reference must be the final answer ("72"), not a worked solution ending in "#### 72".
+  A GSM8K-style reference (a worked solution ending in "#### 72") is reduced to what follows "####".
   """
   _check_batch(prompts, completions, metadata)
   scores = []
   for i, (completion, meta) in enumerate(zip(completions, metadata, strict=True)):
     if "answer" not in meta:
       raise KeyError(f"math_answer: metadata[{i}] has no 'answer' field (keys: {sorted(meta)})")
-    scores.append(float(answers_equal(extract_answer(completion), str(meta["answer"]))))
+    ref = str(meta["answer"])
+    if "####" in ref:
+      ref = ref.rsplit("####", 1)[1].strip()
+    scores.append(float(answers_equal(extract_answer(completion), ref)))
   return scores
 
 

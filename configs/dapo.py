@@ -1,0 +1,35 @@
+"""DAPO: clip-higher, token-mean loss, dynamic sampling and soft overlong punishment, no KL.
+
+  python launchers/train.py --config=configs/dapo.py:tiny --workdir=/tmp/dapo
+
+Dynamic sampling drops prompt groups whose completions all got the same reward (no signal) and
+draws more prompts, up to `reward.max_sampling_rounds` rollouts per step; overlong shaping costs
+up to `overlong_penalty` over the last `overlong_buffer` tokens before the length limit.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _grpo_task():
+  spec = importlib.util.spec_from_file_location("grpo_task", os.path.join(os.path.dirname(__file__), "grpo_task.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = _grpo_task().get_config(arg or "tiny")
+  c.unlock()
+  c.rl.clip_low = 0.2
+  c.rl.clip_high = 0.28
+  c.rl.agg = "token-mean"
+  c.rl.kl_coef = 0.0
+  c.reward.dynamic_sampling = True
+  c.reward.max_sampling_rounds = 3
+  c.reward.overlong_buffer = 2
+  c.reward.overlong_penalty = 0.5
+  c.lock()
+  return c

@@ -1,0 +1,33 @@
+"""PPO with a learned critic (GAE advantages, clipped value loss) on a built-in task.
+
+  python launchers/train.py --config=configs/ppo_critic.py:tiny --workdir=/tmp/ppo
+
+`critic=shared` puts a value head on the policy backbone; `--config.rl.critic=separate` trains a
+second backbone. Same task and warm-up as configs/grpo_task.py; one completion per prompt.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _grpo_task():
+  spec = importlib.util.spec_from_file_location("grpo_task", os.path.join(os.path.dirname(__file__), "grpo_task.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = _grpo_task().get_config(arg or "tiny")
+  c.unlock()
+  c.rl.advantage = "gae"
+  c.rl.critic = "shared"
+  c.rl.group_size = 1
+  c.rl.gamma = 1.0
+  c.rl.lam = 0.95
+  c.rl.value_coef = 0.5
+  c.data.batch_size = c.data.batch_size * 4  # as many sequences per step as the GRPO config
+  c.lock()
+  return c
