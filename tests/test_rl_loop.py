@@ -52,7 +52,7 @@ def _cfg(mode: str, steps: int, **kw):
 @pytest.mark.parametrize("mode", ["disaggregated", "async"])  # colocated: the learning and resume tests
 def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, tmp_path):
   eta = {"disaggregated": 1, "async": 2}[mode]
-  cfg = _cfg(mode, steps=6, **{"run.max_staleness": eta, "run.land_after_chunks": 1})
+  cfg = _cfg(mode, steps=6, **{"run.max_staleness": eta, "run.land_after_chunks": 1, "run.profile_step": 2})
   summary = run_lib.train(cfg, str(tmp_path), progress=False)
   assert summary["mode"] == mode and summary["steps"] == 6
   records = read_metrics(str(tmp_path))
@@ -64,6 +64,8 @@ def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, tmp_path):
   assert all(np.isfinite(r["loss"]) for r in records)
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["mode"] == mode
+  traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
+  assert any(f.endswith(".xplane.pb") for f in traces), f"no profiler trace of step 2: {traces}"
 
 
 def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameters(tmp_path):

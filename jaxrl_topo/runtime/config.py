@@ -121,7 +121,7 @@ class RunSpec:
   log_every: int = 1
   tensorboard: bool = True
   plot: bool = True  # reward curve PNG at the end
-  profile_step: int = -1  # capture this step with jax.profiler (-1: none)
+  profile_step: int = -1  # jax.profiler trace of this step into <workdir>/profile (-1: none)
   sft_steps: int = 0  # supervised warm-up on the training split's answers before RL (fresh runs only)
   sft_lr: float = 3e-3
   sft_batch: int = 64

@@ -115,6 +115,9 @@ def warm_up(cfg: RunConfig, params, fns: PolicyFns, tokenizer: Tokenizer, train_
 
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   """`warmup=False` skips the supervised warm-up (a resumed run restores its trained state)."""
+  if jax.process_count() > 1:  # the host loop device_gets rollout state that spans processes
+    raise NotImplementedError("the RL loop runs in one process for now (any number of local devices); "
+                              "multi-process runs cover weight sync and generation (launchers/sync_check.py)")
   os.makedirs(workdir, exist_ok=True)
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)

@@ -60,7 +60,7 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
     logging.info("held-out accuracy before RL: %.3f", before)
     writer = MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard and _main(),
                            progress=progress and _main(), start_step=start, resume=start > 0)
-    hooks, seen = _hooks(cfg, exp, ckpt, writer, before)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir)
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
@@ -88,7 +88,7 @@ def _save(ckpt: Checkpointer, cfg: RunConfig, exp, step: int, data_state, before
   ckpt.save(step, exp.state, meta)
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float):
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float, workdir: str):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
   every = cfg.run.eval_every
   seen = {"data_state": None}
@@ -96,6 +96,8 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, befor
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
     seen["data_state"] = traj.data_state
+    if step == cfg.run.profile_step:
+      jax.profiler.stop_trace()  # view <workdir>/profile in Perfetto or TensorBoard's profile plugin
     _kill_point("trained", done)
     if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
       _save(ckpt, cfg, exp, done, traj.data_state, before)
@@ -114,6 +116,8 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, befor
 
   def on_produced(step: int) -> None:
     _kill_point("rollout", step, ckpt.wait)  # the middle of a step: rolled out, not yet trained
+    if step == cfg.run.profile_step:  # trace from this batch's rollout end to its weights landing
+      jax.profiler.start_trace(os.path.join(workdir, "profile"))
 
   def should_eval(done: int) -> bool:
     return bool(every) and done % every == 0 and done < cfg.run.steps
