@@ -163,8 +163,8 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
 @pytest.mark.slow
 def test_shortened_demo_raises_the_reward(tmp_path):
   """The demo config (colocated, real reward worker processes), shortened: the reward must rise."""
-  cfg = _cfg("colocated", steps=30, **{"run.sft_steps": 120, "data.batch_size": 16, "rl.group_size": 16,
-                                       "run.eval_size": 64, "rollout.n_slots": 256, "reward.n_workers": 2})
+  cfg = _cfg("colocated", steps=30, **{"run.sft_steps": 120, "data.batch_size": 8, "rl.group_size": 16,
+                                       "run.eval_size": 32, "rollout.n_slots": 128, "reward.n_workers": 2})
   summary = run_lib.train(cfg, str(tmp_path), progress=False)
   rewards = [r["reward_mean"] for r in read_metrics(str(tmp_path))]
   first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
@@ -215,10 +215,10 @@ def test_gsm8k_config_runs_on_a_tiny_random_qwen_directory(tmp_path):
       f.writelines(json.dumps(r) + "\n" for r in rows)
   c = load_config("grpo_gsm8k", str(model_dir), **{
       "data.source": str(tmp_path / "train.jsonl"), "data.eval_source": str(tmp_path / "test.jsonl"),
-      "data.batch_size": 2, "rl.group_size": 2, "rollout.max_new_tokens": 8, "rollout.n_slots": 8,
-      "model.dtype": "float32", "run.steps": 2, "run.eval_every": 0, "run.eval_size": 4, "run.n_micro": 1,
+      "data.batch_size": 2, "rl.group_size": 2, "rollout.max_new_tokens": 4, "rollout.n_slots": 8,
+      "model.dtype": "float32", "run.steps": 2, "run.eval_every": 0, "run.eval_size": 2, "run.n_micro": 1,
       "run.checkpoint_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
-      "data.max_prompt_len": 128})
+      "data.max_prompt_len": 64})
   c.topology = dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"data": 2})
   summary = run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
   records = read_metrics(str(tmp_path / "run"))
