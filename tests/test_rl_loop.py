@@ -66,6 +66,14 @@ def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, tmp_path):
     assert json.load(f)["mode"] == mode
   traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), f"no profiler trace of step 2: {traces}"
+  spans = run_lib.read_spans(str(tmp_path))
+  train = {s["step"]: s for s in spans if s["phase"] == "train"}
+  rollouts = {s["step"]: s for s in spans if s["phase"] == "rollout"}
+  assert sorted(train) == list(range(6)) and sorted(rollouts) == list(range(6))
+  assert set(train[0]["devices"]) == {0, 1, 2, 3} and set(rollouts[0]["devices"]) == {4, 5, 6, 7}
+  assert all(s["end"] >= s["start"] >= 0 for s in spans)
+  # Rollout of batch k+1 runs while train step k is in flight: that is what the mode is for.
+  assert any(_spans_overlap(train[k], rollouts[k + 1]) > 0 for k in range(5)), "no rollout overlapped training"
 
 
 def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameters(tmp_path):
@@ -224,3 +232,7 @@ def test_gsm8k_config_runs_on_a_tiny_random_qwen_directory(tmp_path):
   records = read_metrics(str(tmp_path / "run"))
   assert summary["steps"] == 2 and len(records) == 2
   assert all(0.0 <= r["reward/correct"] <= 1.0 for r in records)
+
+
+def _spans_overlap(a, b):
+  return min(a["end"], b["end"]) - max(a["start"], b["start"])

@@ -58,6 +58,17 @@ class _InFlight:
   metrics: dict  # device scalars
   t0: float
   chunks: int = 0  # decode chunks run since dispatch (async landing rule)
+  done_at: float | None = None  # first time the host saw the step finished (between decode chunks)
+
+
+def _devices(mesh) -> list[int]:
+  return sorted(int(d.id) for d in mesh.devices.flat)
+
+
+def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, start: float, end: float) -> dict:
+  """One timeline entry (DESIGN §4: every arrow is a named span); times are time.perf_counter()."""
+  return {"phase": phase, "role": role, "devices": devices, "step": step, "gen_id": gen_id, "start": start,
+          "end": end}
 
 
 # ---------------------------------------------------------------- rollout + rewards
@@ -95,7 +106,8 @@ def score(exp: Experiment, examples: list[dict], samples: list[Sample]) -> tuple
   return rewards, main, {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
 
 
-def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None) -> Trajectories:
+def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
+            on_span: Callable[[dict], None] = lambda s: None) -> Trajectories:
   """Draws a prompt batch, samples G completions each, scores them; DAPO dynamic sampling draws more
   batches until `data.batch_size` groups have reward variance (or `max_sampling_rounds` are spent)."""
   cfg, G = exp.cfg, exp.cfg.rl.group_size
@@ -106,12 +118,15 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
     examples = next(exp.prompts)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.run.seed), _ROLLOUT_TAG),
                                                 step), round_)
-    t = time.perf_counter()
+    t, gen_id = time.perf_counter(), exp.engine.gen_id
     samples = exp.engine.run(_requests(exp, examples), on_chunk, key=key)
-    info["time/rollout_s"] += time.perf_counter() - t
-    t = time.perf_counter()
+    t1 = time.perf_counter()
+    info["time/rollout_s"] += t1 - t
+    on_span(span("rollout", "rollout", _devices(exp.topology.rollout), step, gen_id, t, t1))
     rewards, main, rinfo = score(exp, examples, samples)
-    info["time/reward_s"] += time.perf_counter() - t
+    t2 = time.perf_counter()
+    info["time/reward_s"] += t2 - t1
+    on_span(span("reward", "reward", [], step, gen_id, t1, t2))
     info.update(rinfo)
     for g, ex in enumerate(examples):
       group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
@@ -202,6 +217,7 @@ class LoopHooks:
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
   should_eval: Callable[[int], bool] = lambda step: False
   on_produced: Callable[[int], None] = lambda step: None  # a rollout batch is ready
+  on_span: Callable[[dict], None] = lambda span: None  # timeline entries (review/ audits them)
 
 
 def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int) -> dict:
@@ -230,6 +246,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   produced = start_step
   last: dict = {}
   checked = False
+  trainer_devices, rollout_devices = _devices(exp.topology.trainer), _devices(exp.topology.rollout)
   deferred: collections.deque[tuple[int, dict]] = collections.deque()
 
   def dispatch(traj: Trajectories) -> _InFlight:
@@ -247,9 +264,14 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   def land(flight: _InFlight, policy: str) -> None:
     nonlocal version
     train = jax.device_get(flight.metrics)
-    t_train = time.perf_counter() - flight.t0
+    end = flight.done_at or time.perf_counter()
+    t_train = end - flight.t0
+    hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, flight.t0, end))
     version += 1
+    t_sync = time.perf_counter()
     sync = sync_weights(exp, version, policy)
+    hooks.on_span(span("sync", "trainer->rollout", sorted(set(trainer_devices) | set(rollout_devices)),
+                       flight.step, version, t_sync, time.perf_counter()))
     m = _step_metrics(flight.traj, train, version - 1, cfg.rl.group_size)
     m.update(sync)
     m["time/train_s"] = t_train
@@ -264,16 +286,20 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     while deferred:
       step, m = deferred.popleft()
       if hooks.should_eval(step + 1):
+        t = time.perf_counter()
         m["eval/accuracy"] = evaluate(exp, tag=step + 1)
+        hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
       last = m
       hooks.on_step(step, m)
 
-  def tick(engine: RolloutEngine) -> None:  # async: between decode chunks
+  def tick(engine: RolloutEngine) -> None:  # between decode chunks
     nonlocal pending
     if pending is None:
       return
+    if pending.done_at is None and all(x.is_ready() for x in jax.tree.leaves(pending.metrics)):
+      pending.done_at = time.perf_counter()  # a timestamp for the timeline only, never a decision
     pending.chunks += 1
-    if pending.chunks >= cfg.run.land_after_chunks:
+    if mode == "async" and pending.chunks >= cfg.run.land_after_chunks:
       land(pending, cfg.rollout.update_policy)
       pending = dispatch(ready.popleft()) if ready else None
 
@@ -281,8 +307,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     if pending is None and ready:
       pending = dispatch(ready.popleft())
     if produced < steps and produced <= version + eta and len(ready) <= eta:
-      on_chunk = tick if mode == "async" else None
-      ready.append(rollout(exp, produced, on_chunk))
+      ready.append(rollout(exp, produced, tick, hooks.on_span))
       hooks.on_produced(produced)
       produced += 1
     elif pending is not None:

@@ -60,7 +60,7 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
     logging.info("held-out accuracy before RL: %.3f", before)
     writer = MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard and _main(),
                            progress=progress and _main(), start_step=start, resume=start > 0)
-    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start)
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
@@ -88,7 +88,8 @@ def _save(ckpt: Checkpointer, cfg: RunConfig, exp, step: int, data_state, before
   ckpt.save(step, exp.state, meta)
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float, workdir: str):
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float, workdir: str,
+           start: int = 0):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
   every = cfg.run.eval_every
   seen = {"data_state": None}
@@ -122,8 +123,33 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, befor
   def should_eval(done: int) -> bool:
     return bool(every) and done % every == 0 and done < cfg.run.steps
 
+  spans_path = os.path.join(workdir, SPANS_FILE)
+  kept = [r for r in read_spans(workdir) if r["step"] < start] if start else []
+  if _main():  # one line per span; a resumed run keeps the spans of the steps it does not redo
+    with open(spans_path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+  t_origin = time.perf_counter() - (kept[-1]["end"] if start and kept else 0.0)
+
+  def on_span(entry: dict) -> None:
+    if _main():
+      entry = {**entry, "start": entry["start"] - t_origin, "end": entry["end"] - t_origin}
+      with open(spans_path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
   return loop_lib.LoopHooks(on_step=on_step, on_trained=on_trained, should_eval=should_eval,
-                            on_produced=on_produced), seen
+                            on_produced=on_produced, on_span=on_span), seen
+
+
+SPANS_FILE = "spans.jsonl"
+
+
+def read_spans(workdir: str) -> list[dict]:
+  """The run's timeline: {phase, role, devices, step, gen_id, start, end} per line, seconds since the start."""
+  path = os.path.join(workdir, SPANS_FILE)
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 # ---------------------------------------------------------------- the run's config on disk, and export
