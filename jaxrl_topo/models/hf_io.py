@@ -160,8 +160,9 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rule
         raise CheckpointError(f"tensor {name!r} has shape {got} in the checkpoint; the config needs {want}")
       view = _to_ours(path, handle.get_tensor(name), sds.shape)
       sharding_ = _at(shardings, path)
-      leaves[path] = jax.make_array_from_callback(
-          sds.shape, sharding_, lambda idx, v=view, dt=sds.dtype: np.ascontiguousarray(v[idx]).astype(dt))
+      leaves[path] = jax.make_array_from_callback(  # dtype: a process may hold none of the shards
+          sds.shape, sharding_, lambda idx, v=view, dt=sds.dtype: np.ascontiguousarray(v[idx]).astype(dt),
+          dtype=sds.dtype)
   return graphdef, nest(leaves.items())
 
 

@@ -26,7 +26,7 @@ from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.models.tokenizer import Tokenizer
 from jaxrl_topo.rl.reward_pool import RewardPool
-from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
+from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine, to_host
 from jaxrl_topo.runtime.config import RunConfig
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
 from jaxrl_topo.topology.rules import TRAIN_RULES
@@ -108,16 +108,17 @@ def warm_up(cfg: RunConfig, params, fns: PolicyFns, tokenizer: Tokenizer, train_
     batch = build_batch(comps, n_micro=1, rows=rc.sft_batch, row_len=row_len, resp_len=resp_len, pack=False)
     params, opt_state, loss = step(params, opt_state, batch)
     if (i + 1) % 10 == 0 or i + 1 == rc.sft_steps:
-      logging.info("sft warm-up %d/%d: loss %.3f (%.0f s)", i + 1, rc.sft_steps, float(loss),
+      logging.info("sft warm-up %d/%d: loss %.3f (%.0f s)", i + 1, rc.sft_steps, float(to_host(loss)),
                    time.perf_counter() - t0)
   return params
 
 
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   """`warmup=False` skips the supervised warm-up (a resumed run restores its trained state)."""
-  if jax.process_count() > 1:  # the host loop device_gets rollout state that spans processes
-    raise NotImplementedError("the RL loop runs in one process for now (any number of local devices); "
-                              "multi-process runs cover weight sync and generation (launchers/sync_check.py)")
+  if jax.process_count() > 1 and cfg.topology.mode != "colocated":
+    raise NotImplementedError(
+        f"{cfg.topology.mode} mode across {jax.process_count()} processes is not supported yet (a run hung in the "
+        "host-side gather of rollout results while training was in flight); use colocated, or one process")
   os.makedirs(workdir, exist_ok=True)
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)
@@ -138,8 +139,9 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   if cfg.rl.group_size > rollout.n_slots:
     raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={rollout.n_slots}: a group is "
                      "generated at once")
-  prompts = pipeline.make_prompt_iterator(cfg.data, tokenizer, process_index=jax.process_index(),
-                                          process_count=jax.process_count())
+  # Every process reads the whole global batch: each one drives the same global program and must
+  # take the same decisions (prompts are a few KB of token ids).
+  prompts = pipeline.make_prompt_iterator(cfg.data, tokenizer, process_index=0, process_count=1)
   heldout = pipeline.load_prompts(cfg.data, tokenizer, "heldout").examples
   if cfg.run.eval_size:
     heldout = heldout[: cfg.run.eval_size]

@@ -28,12 +28,12 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
+from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample, to_host
 from jaxrl_topo.runtime.experiment import Experiment
 from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch
 from jaxrl_topo.train.lora import merge_lora
-from jaxrl_topo.train.step import check_batch
+from jaxrl_topo.train.step import batch_sharding_for, check_batch
 
 _ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
 
@@ -181,7 +181,7 @@ def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict
   params, stats = exp.plan.run(policy_params(exp, exp.state))
   jax.block_until_ready(params)
   exp.engine.update_weights(params, version, policy)
-  return {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(getattr(stats, "bytes_moved", 0) or 0)}
+  return {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(stats["bytes_sent"])}
 
 
 # ---------------------------------------------------------------- evaluation
@@ -258,12 +258,13 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     if mode == "colocated":
       exp.engine.release_kv()
     t0 = time.perf_counter()
+    batch = jax.device_put(batch, batch_sharding_for(exp.topology.trainer, TRAIN_RULES))  # global arrays
     exp.state, metrics = exp.step_fn(exp.state, batch)
     return _InFlight(traj.step, traj, metrics, t0)
 
   def land(flight: _InFlight, policy: str) -> None:
     nonlocal version
-    train = jax.device_get(flight.metrics)
+    train = to_host(flight.metrics)
     end = flight.done_at or time.perf_counter()
     t_train = end - flight.t0
     hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, flight.t0, end))

@@ -58,14 +58,15 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
     if before is None:
       before = loop_lib.evaluate(exp, tag=0)
     logging.info("held-out accuracy before RL: %.3f", before)
-    writer = MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard and _main(),
-                           progress=progress and _main(), start_step=start, resume=start > 0)
+    writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
+                            start_step=start, resume=start > 0) if _main() else None)
     hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start)
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
       _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before)
-    writer.close(plot=cfg.run.plot and _main())
+    if writer is not None:
+      writer.close(plot=cfg.run.plot)
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
                "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
                "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir}
@@ -88,7 +89,7 @@ def _save(ckpt: Checkpointer, cfg: RunConfig, exp, step: int, data_state, before
   ckpt.save(step, exp.state, meta)
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, before: float, workdir: str,
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter | None, before: float, workdir: str,
            start: int = 0):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
   every = cfg.run.eval_every
@@ -110,7 +111,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter, befor
     if total:
       m["perf/tokens_per_s"] = m.get("perf/tokens", 0) / total
       m["time/step_s"] = total
-    if _main() and (step % cfg.run.log_every == 0 or "eval/accuracy" in m):
+    if writer is not None and (step % cfg.run.log_every == 0 or "eval/accuracy" in m):
       writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
       if lags is not None:
         writer.log_histogram(step, "staleness", lags.tolist())

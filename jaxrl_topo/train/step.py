@@ -216,6 +216,11 @@ def batch_axes(mesh, rules) -> tuple[str, ...]:
   return tuple(a for a in axes if a in mesh.shape)
 
 
+def batch_sharding_for(mesh, rules) -> NamedSharding:
+  """The TrainBatch arrays' sharding: dim 1 (rows / sequences) over the rules' batch axes."""
+  return NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh, rules) or None))
+
+
 def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransformation, state: TrainState,
                     *, mesh=None, rules=None):
   """The jitted step: in/out shardings from `state` (and batch over the rules' `batch` axes), state donated.
@@ -226,7 +231,7 @@ def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransfor
   shardings = jax.tree.map(lambda x: x.sharding, state)
   batch_sharding = metric_sharding = None
   if mesh is not None:
-    batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes(mesh, rules) or None))
+    batch_sharding = batch_sharding_for(mesh, rules)
     metric_sharding = NamedSharding(mesh, PartitionSpec())
   step = functools.partial(train_step, fns=fns, cfg=cfg, tx=tx)
   return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),

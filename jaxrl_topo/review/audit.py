@@ -1,0 +1,446 @@
+"""Data-path review, part two: where staleness is bounded and which phases overlap (DESIGN §1.5, §4-5).
+
+Two audits of a run, both plain data in and a frozen report out (`to_dict` for JSON, `to_markdown` for humans):
+
+  staleness_audit(cfg, histograms)   the configured bound eta and WHERE runtime/loop.py enforces it, what a
+                                     generation in flight does when weights land, whether the loss corrects the
+                                     sampler/trainer gap, and the weight-lag histogram the run observed.
+                                     `check_staleness(report)` raises if any observed lag exceeds eta.
+  overlap_audit(spans, predicted)    per-phase seconds (total and per-step median), which phase pairs overlapped
+                                     in time and by how much, which ran serialised, each side's idle fraction,
+                                     and measured per-step medians against a prediction (phases > tolerance off
+                                     are flagged).
+
+`read_run(workdir)` reads what a run leaves behind (config.json, spans.jsonl, metrics.jsonl, histograms.jsonl;
+runtime/run.py and runtime/metrics.py). Span times are seconds since the run's start. Everything here is host
+Python: no JAX, and the runtime modules (which import JAX) are only imported by `read_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from jaxrl_topo.runtime.config import RunConfig
+
+PHASES = ("rollout", "reward", "train", "sync", "eval")  # the loop's span phases, in data-flow order
+TRAINER_PHASES = ("train", "sync")  # what keeps the trainer's devices busy
+ROLLOUT_PHASES = ("rollout", "eval", "sync")  # ... and the rollout's
+_EPS = 1e-9  # seconds: less overlap than this is "serialised"
+
+# ---------------------------------------------------------------- §2 staleness: what the code does, per mode
+
+_PACING = ("runtime/loop.py train_loop: batch k is started only when the trainer has reached version k - eta "
+           "(the `produced <= version + eta` check, so the ready queue never holds more than eta + 1 batches: "
+           "`len(ready) <= eta`); each step's lag (trainer version minus each token's gen_id) is checked after "
+           "landing (`land`: staleness/max > eta raises AssertionError naming the step)")
+
+_MODE_ENFORCEMENT = {
+    "colocated": "RunConfig forces eta = 0 for colocated: rollout k, train k and the weight sync run in "
+                 "sequence on one device set, so batch k is always sampled under version k.",
+    "disaggregated": "Rollout of batch k+1 runs on the rollout devices while train step k is dispatched but not "
+                     "awaited; step k's weights land between batches, so with eta = 1 batch k+1 is exactly one "
+                     "version behind (eta = 0: fully sequential).",
+    "async": "Rollout batches run back to back; a dispatched train step's weights land between decode chunks, "
+             "after run.land_after_chunks={chunks} chunks of the running rollout (waiting for the step if it is "
+             "not finished), so a batch can mix versions but none older than eta.",
+}
+
+UPDATE_POLICY_TEXT = {
+    "keep_kv": "swap now, between decode chunks; live sequences continue on K/V cached under the old weights and "
+               "sample their next tokens under the new ones (a sequence can mix versions; each token keeps the "
+               "gen_id it was sampled under).",
+    "finish_on_old": "live sequences finish on the old weights and nothing new is admitted until they have; then "
+                     "the swap (the old weights stay alive until then): every sequence has one version, at the cost "
+                     "of a drain bubble.",
+    "abort_and_resume": "swap now; live sequences drop their K/V and are re-prefilled (prompt + tokens so far) under "
+                        "the new weights, then continue: cached K/V always matches the weights, at the cost of a "
+                        "re-prefill; tokens already sampled keep their old gen_id.",
+}
+
+_BETWEEN_BATCHES = ("weights land between batches (`land(flight, 'keep_kv')` after a rollout batch is finished): no "
+                    "sequence is live at a swap, so rollout.update_policy={policy!r} has no effect and every batch "
+                    "is sampled under a single version.")
+
+
+class StalenessViolation(AssertionError):
+  """An observed weight lag exceeded the configured bound eta (the invariant of DESIGN §6)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessReport:
+  """The staleness bound of one config, where it is enforced, and (optionally) what a run observed."""
+
+  mode: str
+  eta: int
+  enforcement: str
+  in_flight: str  # what generations in flight do when a weight update lands
+  update_policy: str
+  correction: str  # how the loss corrects the sampler/trainer gap (or that it does not)
+  corrected: bool
+  warnings: tuple[str, ...]
+  lag_histogram: dict[int, int]  # lag (versions) -> token count, summed over the observed steps
+  step_max_lag: dict[int, int]  # step -> its largest observed lag
+  max_observed_lag: int | None  # None: nothing observed
+
+  @property
+  def violations(self) -> list[tuple[int, int]]:
+    """(step, lag) for every step whose largest lag exceeds eta (or is negative: a token from the future)."""
+    return [(s, lag) for s, lag in sorted(self.step_max_lag.items()) if lag > self.eta or lag < 0]
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["lag_histogram"] = {str(k): v for k, v in sorted(self.lag_histogram.items())}
+    d["step_max_lag"] = {str(k): v for k, v in sorted(self.step_max_lag.items())}
+    d["warnings"] = list(self.warnings)
+    d["violations"] = [list(v) for v in self.violations]
+    if self.mode == "async":
+      d["update_policies"] = dict(UPDATE_POLICY_TEXT)
+    return d
+
+  def to_markdown(self) -> str:
+    lines = [f"### Staleness ({self.mode}, eta = {self.eta})", "",
+             f"- **Enforced**: {self.enforcement}", f"- **In flight at a weight update**: {self.in_flight}",
+             f"- **Loss correction**: {self.correction}"]
+    lines += [f"- **Warning**: {w}" for w in self.warnings]
+    if self.max_observed_lag is None:
+      lines.append("- **Observed**: no staleness histograms")
+    else:
+      bad = self.violations
+      verdict = f"VIOLATED at steps {[s for s, _ in bad]}" if bad else "within eta"
+      lines += [f"- **Observed** over {len(self.step_max_lag)} steps: max lag {self.max_observed_lag} ({verdict})",
+                "", "| lag | tokens |", "|---:|---:|"]
+      lines += [f"| {k} | {v} |" for k, v in sorted(self.lag_histogram.items())]
+    return "\n".join(lines) + "\n"
+
+
+def enforcement_text(mode: str, eta: int, land_after_chunks: int = 1) -> str:
+  """Where and how runtime/loop.py keeps every token at most eta weight versions old, for `mode`."""
+  if mode not in _MODE_ENFORCEMENT:
+    raise ValueError(f"unknown topology mode {mode!r}; expected one of {tuple(_MODE_ENFORCEMENT)}")
+  return f"eta = {eta}. {_PACING}. {_MODE_ENFORCEMENT[mode].format(chunks=land_after_chunks)}"
+
+
+def in_flight_text(mode: str, update_policy: str) -> str:
+  """What a generation in flight does when new weights land, for `mode` and rollout.update_policy."""
+  if update_policy not in UPDATE_POLICY_TEXT:
+    raise ValueError(f"unknown rollout.update_policy {update_policy!r}; expected one of {tuple(UPDATE_POLICY_TEXT)}")
+  if mode == "colocated":
+    return ("nothing is in flight: rollout, train and sync alternate on the same devices (the KV pool is released "
+            "while training); " + _BETWEEN_BATCHES.format(policy=update_policy))
+  if mode == "disaggregated":
+    return _BETWEEN_BATCHES.format(policy=update_policy)
+  return (f"weights land between decode chunks under rollout.update_policy={update_policy!r}: "
+          f"{UPDATE_POLICY_TEXT[update_policy]} (When no rollout is running they land between batches, where every "
+          "policy is the same.)")
+
+
+def correction_text(is_cap: float | None, mask_low: float | None, mask_high: float | None, eta: int
+                    ) -> tuple[str, bool, list[str]]:
+  """(text, corrected, warnings) for the loss's off-policy correction (train/step.py, rl/offpolicy.py)."""
+  masking = mask_low is not None or mask_high is not None
+  bounds = f"[{'-inf' if mask_low is None else mask_low}, {'inf' if mask_high is None else mask_high}]"
+  if is_cap is not None:
+    text = (f"truncated importance weight w = min(pi_old/mu, is_cap={is_cap}) per token against the sampler's "
+            "log-probs mu (rl/offpolicy.truncated_is_weight; its effective sample size is logged as is/ess)")
+    if masking:
+      text += f"; tokens whose pi_old/mu lies outside {bounds} are masked out of the loss"
+    return text, True, []
+  gap = (f"tokens up to eta={eta} versions old are trained as if on-policy" if eta > 0 else
+         "only the numeric sampler/trainer mismatch (e.g. bf16 vs fp32) remains, but it is not corrected")
+  warnings = [f"not corrected: rl.is_cap is None, so the loss has no importance weight against the sampler; {gap}"]
+  if masking:
+    warnings.append(f"rl.is_mask_low/high {bounds} are ignored: masking is applied only together with rl.is_cap")
+  return "not corrected (rl.is_cap is None)", False, warnings
+
+
+def _lag_counts(histograms: Iterable[Mapping]) -> dict[int, dict[int, int]]:
+  """step -> {lag: count} from histograms.jsonl records named "staleness" (other names are skipped)."""
+  out: dict[int, dict[int, int]] = {}
+  for i, rec in enumerate(histograms):
+    if rec.get("name") != "staleness":
+      continue
+    if "step" not in rec or not isinstance(rec.get("counts"), Mapping):
+      raise ValueError(f"histogram record {i}: expected {{'step', 'name', 'counts': {{lag: count}}}}, got {rec!r}")
+    step_counts = out.setdefault(int(rec["step"]), {})
+    for key, n in rec["counts"].items():
+      lag = float(key)
+      if not lag.is_integer():
+        raise ValueError(f"histogram record {i} (step {rec['step']}): lag {key!r} is not a whole number of versions")
+      step_counts[int(lag)] = step_counts.get(int(lag), 0) + int(n)
+  return out
+
+
+def staleness_audit(cfg: RunConfig, histograms: list[dict] | None = None, *,
+                    metrics: list[dict] | None = None) -> StalenessReport:
+  """The staleness review of `cfg`; with a run's histograms (and/or metrics' "staleness/max"), what it observed."""
+  mode, eta = cfg.topology.mode, (0 if cfg.topology.mode == "colocated" else cfg.run.max_staleness)
+  policy, rl = cfg.rollout.update_policy, cfg.rl
+  correction, corrected, warnings = correction_text(rl.is_cap, rl.is_mask_low, rl.is_mask_high, eta)
+  per_step = _lag_counts(histograms or ())
+  hist: dict[int, int] = {}
+  for counts in per_step.values():
+    for lag, n in counts.items():
+      hist[lag] = hist.get(lag, 0) + n
+  step_max = {s: max(lag for lag, n in c.items() if n > 0) for s, c in per_step.items() if any(c.values())}
+  for rec in metrics or ():
+    if rec.get("staleness/max") is not None:
+      s = int(rec["step"])
+      step_max[s] = max(step_max.get(s, -math.inf), int(rec["staleness/max"]))
+  if histograms is not None and not per_step and not step_max:
+    warnings.append("no staleness histograms in the run (histograms.jsonl empty or missing): nothing observed")
+  return StalenessReport(mode=mode, eta=eta, enforcement=enforcement_text(mode, eta, cfg.run.land_after_chunks),
+                         in_flight=in_flight_text(mode, policy), update_policy=policy, correction=correction,
+                         corrected=corrected, warnings=tuple(warnings), lag_histogram=dict(sorted(hist.items())),
+                         step_max_lag=dict(sorted(step_max.items())),
+                         max_observed_lag=max(step_max.values()) if step_max else None)
+
+
+def check_staleness(report: StalenessReport) -> StalenessReport:
+  """Fails loudly: raises StalenessViolation naming each step whose observed lag is outside [0, eta]."""
+  bad = report.violations
+  if bad:
+    listed = ", ".join(f"step {s}: lag {lag}" for s, lag in bad[:10]) + (" ..." if len(bad) > 10 else "")
+    first_step, first_lag = bad[0]
+    raise StalenessViolation(
+        f"staleness bound violated in {report.mode} mode: step {first_step} trained on tokens {first_lag} weight "
+        f"versions old, outside [0, eta={report.eta}] ({len(bad)} step(s): {listed}). The loop's pacing "
+        "(runtime/loop.py `produced <= version + eta`) should make this impossible: this is a bug, not a setting.")
+  return report
+
+
+# ---------------------------------------------------------------- §3 overlap: interval arithmetic
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+  """Sorted, merged, disjoint intervals covering the same points."""
+  merged: list[list[float]] = []
+  for s, e in sorted(intervals):
+    if merged and s <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], e)
+    else:
+      merged.append([s, e])
+  return [(s, e) for s, e in merged]
+
+
+def _length(merged: Iterable[tuple[float, float]]) -> float:
+  return sum(e - s for s, e in merged)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+  """Seconds covered by both merged interval lists (two-pointer sweep)."""
+  i = j = 0
+  total = 0.0
+  while i < len(a) and j < len(b):
+    total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+    if a[i][1] < b[j][1]:
+      i += 1
+    else:
+      j += 1
+  return total
+
+
+def _check_spans(spans: list[dict]) -> None:
+  if not spans:
+    raise ValueError("no spans: the run wrote no spans.jsonl (or it is empty), so there is no timeline to audit")
+  for i, sp in enumerate(spans):
+    missing = [k for k in ("phase", "step", "start", "end") if k not in sp]
+    if missing:
+      raise ValueError(f"span {i}: missing {missing}; expected {{phase, role, devices, step, gen_id, start, end}}")
+    if not (math.isfinite(sp["start"]) and math.isfinite(sp["end"]) and sp["end"] >= sp["start"]):
+      raise ValueError(f"span {i} ({sp['phase']}, step {sp['step']}): needs finite start <= end, got "
+                       f"[{sp['start']}, {sp['end']}]")
+
+
+def _phase_order(phases: Iterable[str]) -> list[str]:
+  return sorted(set(phases), key=lambda p: (PHASES.index(p) if p in PHASES else len(PHASES), p))
+
+
+# ---------------------------------------------------------------- §3 overlap: the report
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseStats:
+  count: int  # spans
+  steps: int  # distinct steps with this phase
+  total_s: float  # sum of span durations
+  busy_s: float  # union of the spans (<= total_s when spans of one phase overlap)
+  median_step_s: float  # median over steps of the phase's seconds in that step
+
+
+@dataclasses.dataclass(frozen=True)
+class PairOverlap:
+  a: str
+  b: str
+  overlap_s: float  # seconds during which both phases were running
+  frac_of_a: float  # overlap_s / busy_s of a
+  frac_of_b: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SideIdle:
+  phases: tuple[str, ...]  # the phases counted as busy
+  devices: tuple[int, ...]
+  busy_s: float
+  idle_frac: float  # 1 - busy_s / makespan
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  phase: str
+  predicted_s: float
+  measured_s: float | None  # the per-step median; None: the phase never ran
+  rel_err: float | None  # (measured - predicted) / predicted; None when undefined
+  flagged: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapReport:
+  """The measured timeline of a run: per-phase seconds, overlaps, idle fractions, prediction check."""
+
+  start_s: float
+  makespan_s: float  # from the first span's start to the last span's end
+  n_steps: int
+  phases: dict[str, PhaseStats]
+  pairs: tuple[PairOverlap, ...]  # every pair of phases present
+  idle: dict[str, SideIdle]  # "trainer", "rollout" (and "shared" when both sides use the same devices)
+  comparisons: tuple[Comparison, ...] = ()
+  tolerance: float = 0.2
+
+  @property
+  def overlapped(self) -> list[PairOverlap]:
+    return [p for p in self.pairs if p.overlap_s > _EPS]
+
+  @property
+  def serialised(self) -> list[tuple[str, str]]:
+    return [(p.a, p.b) for p in self.pairs if p.overlap_s <= _EPS]
+
+  @property
+  def flagged(self) -> list[str]:
+    return [c.phase for c in self.comparisons if c.flagged]
+
+  def overlap(self, a: str, b: str) -> PairOverlap:
+    for p in self.pairs:
+      if {p.a, p.b} == {a, b}:
+        return p if p.a == a else PairOverlap(a, b, p.overlap_s, p.frac_of_b, p.frac_of_a)
+    raise KeyError(f"no pair ({a}, {b}) in the timeline; phases present: {list(self.phases)}")
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["pairs"] = [dataclasses.asdict(p) for p in self.pairs]
+    d["comparisons"] = [dataclasses.asdict(c) for c in self.comparisons]
+    d["overlapped"] = [[p.a, p.b] for p in self.overlapped]
+    d["serialised"] = [list(p) for p in self.serialised]
+    d["flagged"] = self.flagged
+    return d
+
+  def to_markdown(self) -> str:
+    pred = {c.phase: c for c in self.comparisons}
+    lines = [f"### Timeline: {self.makespan_s:.3f} s over {self.n_steps} steps", "",
+             "| phase | spans | total s | median s/step | predicted s/step | off |", "|---|---:|---:|---:|---:|---|"]
+    for name, st in self.phases.items():
+      c = pred.get(name)
+      off = "" if c is None or c.rel_err is None else f"{c.rel_err:+.0%}" + (" **FLAG**" if c.flagged else "")
+      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {st.median_step_s:.3f} | "
+                   f"{'' if c is None else f'{c.predicted_s:.3f}'} | {off} |")
+    for c in self.comparisons:
+      if c.measured_s is None:
+        lines.append(f"| {c.phase} | 0 | | | {c.predicted_s:.3f} | not measured **FLAG** |")
+    lines += ["", "| overlap | seconds | of first | of second |", "|---|---:|---:|---:|"]
+    lines += [f"| {p.a} / {p.b} | {p.overlap_s:.3f} | {p.frac_of_a:.0%} | {p.frac_of_b:.0%} |" for p in self.overlapped]
+    lines += ["", f"Serialised: {', '.join(f'{a}/{b}' for a, b in self.serialised) or 'none'}", "",
+              "| side | busy s | idle |", "|---|---:|---:|"]
+    lines += [f"| {side} | {s.busy_s:.3f} | {s.idle_frac:.0%} |" for side, s in self.idle.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _phase_stats(spans: list[dict]) -> dict[str, PhaseStats]:
+  out = {}
+  for phase in _phase_order(sp["phase"] for sp in spans):
+    mine = [sp for sp in spans if sp["phase"] == phase]
+    per_step: dict[int, float] = {}
+    for sp in mine:
+      per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"]
+    out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
+                            busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
+                            median_step_s=statistics.median(per_step.values()))
+  return out
+
+
+def _busy(spans: list[dict], phases: Iterable[str]) -> list[tuple[float, float]]:
+  phases = set(phases)
+  return _union((sp["start"], sp["end"]) for sp in spans if sp["phase"] in phases)
+
+
+def _side(spans: list[dict], phases: tuple[str, ...], device_phase: str, makespan: float) -> SideIdle:
+  busy = _length(_busy(spans, phases))
+  devices = sorted({int(d) for sp in spans if sp["phase"] == device_phase for d in sp.get("devices", ())})
+  return SideIdle(phases=phases, devices=tuple(devices), busy_s=busy,
+                  idle_frac=1.0 - busy / makespan if makespan > 0 else 0.0)
+
+
+def _compare(phases: dict[str, PhaseStats], predicted: Mapping[str, float], tolerance: float) -> tuple[Comparison, ...]:
+  out = []
+  for phase, want in predicted.items():
+    if not (isinstance(want, int | float) and math.isfinite(want) and want >= 0):
+      raise ValueError(f"predicted[{phase!r}]={want!r}: expected finite seconds per step >= 0")
+    got = phases[phase].median_step_s if phase in phases else None
+    if got is None:
+      out.append(Comparison(phase, float(want), None, None, True))
+    elif want == 0:
+      out.append(Comparison(phase, 0.0, got, None, got > _EPS))
+    else:
+      rel = (got - want) / want
+      out.append(Comparison(phase, float(want), got, rel, abs(rel) > tolerance))
+  return tuple(out)
+
+
+def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, tolerance: float = 0.2
+                  ) -> OverlapReport:
+  """Audits a run's timeline (spans.jsonl records). `predicted`: phase -> predicted seconds per step, compared with
+  the measured per-step medians; a phase more than `tolerance` (relative) off is flagged, as is one never measured.
+
+  Idle fractions are over the makespan: the trainer's devices are busy during train and sync spans, the rollout's
+  during rollout, eval and sync spans (reward spans run on the host and count for neither)."""
+  if not tolerance >= 0:
+    raise ValueError(f"tolerance={tolerance}: expected a relative error >= 0 (0.2 = 20%)")
+  _check_spans(spans)
+  start = min(sp["start"] for sp in spans)
+  makespan = max(sp["end"] for sp in spans) - start
+  phases = _phase_stats(spans)
+  unions = {p: _busy(spans, (p,)) for p in phases}
+  pairs = []
+  for a, b in itertools.combinations(phases, 2):
+    both = _intersection(unions[a], unions[b])
+    pairs.append(PairOverlap(a, b, both, both / phases[a].busy_s if phases[a].busy_s else 0.0,
+                             both / phases[b].busy_s if phases[b].busy_s else 0.0))
+  idle = {"trainer": _side(spans, TRAINER_PHASES, "train", makespan),
+          "rollout": _side(spans, ROLLOUT_PHASES, "rollout", makespan)}
+  if idle["trainer"].devices and idle["trainer"].devices == idle["rollout"].devices:  # colocated: one device set
+    idle["shared"] = _side(spans, tuple(dict.fromkeys(TRAINER_PHASES + ROLLOUT_PHASES)), "train", makespan)
+  steps = {sp["step"] for sp in spans if sp["phase"] == "train"} or {sp["step"] for sp in spans}
+  return OverlapReport(start_s=start, makespan_s=makespan, n_steps=len(steps), phases=phases, pairs=tuple(pairs),
+                       idle=idle, comparisons=_compare(phases, predicted or {}, tolerance), tolerance=tolerance)
+
+
+# ---------------------------------------------------------------- a run's files
+
+
+def read_run(workdir: str) -> tuple[RunConfig, list[dict], list[dict], list[dict]]:
+  """(cfg, spans, metrics, histograms) of a run directory; config.json is required, missing JSONL files read as []."""
+  from jaxrl_topo.runtime import metrics as metrics_lib
+  from jaxrl_topo.runtime import run as run_lib
+
+  cfg = run_lib.load_config(workdir)
+  spans = run_lib.read_spans(workdir)
+  metrics = (metrics_lib.read_metrics(workdir)
+             if os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)) else [])
+  histograms = (metrics_lib.read_histograms(workdir)
+                if os.path.exists(os.path.join(workdir, metrics_lib.HISTOGRAMS_FILE)) else [])
+  return cfg, spans, metrics, histograms
