@@ -1,0 +1,160 @@
+"""The decision record: one page answering, for a config, what crosses the wire each step, what the step
+waits on, how stale rollouts may be, and which mode and split are fastest (issue 7 §5).
+
+`write_record(cfg, out_dir, workdir=None, assumptions=...)` writes
+  record.md           the page: placement and why, sync with its byte figures, staleness bound and where it
+                      is enforced, overlaps the mode requires, rate matching (rollout/trainer split)
+  record.json         every figure on the page
+  timelines.png       simulated timeline per mode; split_sweep.png  steps/hour against the device split
+From the config alone the simulator runs on stated assumptions (decode throughput, train time, link
+bandwidth: `Assumptions`, each printed on the page). With `workdir` (a run of launchers/train.py) it is
+calibrated from the run's spans instead, and the page adds the measured phase breakdown against the
+prediction (phases more than 20% off flagged), the observed staleness histogram (an error if the bound
+was ever exceeded) and the measured overlaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from jaxrl_topo.review import audit, simulator
+from jaxrl_topo.review import bytes as bytes_lib
+from jaxrl_topo.runtime.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Assumptions:
+  """What the simulator needs and a config does not say; every value is printed in the record."""
+
+  n_devices: int | None = None  # default: the devices the topology uses
+  decode_tokens_per_s_per_device: float = 2000.0
+  per_seq_tokens_per_s: float = 50.0
+  train_s: float = 30.0  # seconds per train step on the configured trainer devices
+  link_gbps: float = 100.0  # trainer -> rollout link, Gbit/s
+  median_len: float | None = None  # default: a quarter of rollout.max_new_tokens
+  sigma: float = 1.0
+  max_ratio: float = 30.0
+  changed_frac: float = 0.02  # delta sync
+
+
+_WHY = {
+    "colocated": "one pool time-shared: rollout, then training, on every device. No idle side, no cross-device "
+                 "sync (a local reshard, zero-copy when layouts match), but the step is R + T + switch.",
+    "disaggregated": "disjoint pools: rollout of step k+1 overlaps training of step k (one step off-policy). The "
+                     "step is max(R, T + sync) once the split matches the two rates.",
+    "async": "disjoint pools running continuously, rollouts at most eta versions stale; weights land between "
+             "decode chunks, so long-tailed generations do not stall the trainer.",
+}
+_OVERLAPS = {
+    "colocated": "none: phases serialise on shared devices (the KV pool is freed while training).",
+    "disaggregated": "rollout of batch k+1 must overlap train step k on the other devices, and the weight sync "
+                     "must fit in the rollout's slack.",
+    "async": "rollout must run continuously while train steps complete; weight sync overlaps decoding.",
+}
+
+
+def _axes_devices(axes) -> int:
+  return int(np.prod([n for _, n in axes])) if axes else 1
+
+
+def sim_params(cfg: RunConfig, a: Assumptions, sync_bytes: float) -> simulator.SimParams:
+  t_dev, r_dev = _axes_devices(cfg.topology.trainer_axes), _axes_devices(cfg.topology.rollout_axes)
+  colocated = cfg.topology.mode == "colocated"
+  n = a.n_devices or (max(t_dev, r_dev) if colocated else t_dev + r_dev)
+  return simulator.SimParams(
+      n_devices=n, rollout_devices=r_dev if not colocated else max(1, n // 2),
+      batch_seqs=cfg.data.batch_size * cfg.rl.group_size,
+      median_len=a.median_len or max(1.0, cfg.rollout.max_new_tokens / 4),
+      tokens_per_s_per_device=a.decode_tokens_per_s_per_device, per_seq_tokens_per_s=a.per_seq_tokens_per_s,
+      train_s=a.train_s, train_devices=t_dev if not colocated else n, sync_bytes=sync_bytes, link_gbps=a.link_gbps,
+      eta=max(1, cfg.run.max_staleness), sigma=a.sigma, max_ratio=a.max_ratio)
+
+
+def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
+                 assumptions: Assumptions = Assumptions()) -> dict:
+  """Writes record.md, record.json and the PNGs into `out_dir`; returns the JSON figures."""
+  os.makedirs(out_dir, exist_ok=True)
+  mode = cfg.topology.mode
+  spans, histograms, metrics = [], [], []
+  if workdir is not None:  # the run's files (its config is `cfg`: launchers pass the run's config.json)
+    from jaxrl_topo.runtime import metrics as metrics_lib
+    from jaxrl_topo.runtime import run as run_lib
+    spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
+    histograms = metrics_lib.read_histograms(workdir)
+  step = bytes_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
+  sync_bytes = step.sync_full
+  if spans:  # calibrated from the measured run
+    tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
+    params = simulator.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
+                                 eta=max(1, cfg.run.max_staleness), skip_steps=1 if len(metrics) > 2 else 0)
+    source = f"calibrated from the spans of {workdir}"
+  else:
+    params = sim_params(cfg, assumptions, sync_bytes)
+    source = "assumptions (no measured run given)"
+  timelines = {m: simulator.simulate(m, params, n_steps=24) for m in simulator.MODES}
+  rates = {m: timelines[m].steps_per_hour(warmup=6) for m in simulator.MODES}
+  splits = list(range(1, params.n_devices))
+  sweep = simulator.sweep_split(params, splits, n_steps=24) if splits else {}
+  best = {m: max(sweep, key=lambda s, m=m: sweep[s][m]) for m in simulator.MODES if m != "colocated"} if sweep else {}
+  step = dataclasses.replace(step, steps_per_hour=rates[mode])
+  stale = audit.staleness_audit(cfg, histograms or None, metrics=metrics or None)
+  fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
+         "staleness": stale.to_dict(), "simulator_source": source, "sim_params": dataclasses.asdict(params),
+         "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
+         "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions)}
+  predicted = None
+  if spans:
+    sim = timelines[mode]
+    predicted = {ph: float(np.median([s.end - s.start for s in sim.of(ph)])) for ph in ("rollout", "train", "sync")
+                 if sim.of(ph)}
+    fig["overlap"] = audit.overlap_audit(spans, predicted).to_dict()
+  simulator.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
+  if sweep:
+    simulator.plot_split_sweep(sweep, os.path.join(out_dir, "split_sweep.png"))
+  with open(os.path.join(out_dir, "record.json"), "w") as f:
+    json.dump(fig, f, indent=2, default=str)
+  with open(os.path.join(out_dir, "record.md"), "w") as f:
+    f.write(_markdown(cfg, fig, stale, spans, predicted))
+  audit.check_staleness(stale)  # fail loudly, after the record that shows the violation is written
+  return fig
+
+
+def _gb(n: float | None) -> str:
+  return "n/a" if n is None else f"{n / 1e9:.3g} GB"
+
+
+def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, predicted) -> str:
+  b, mode = fig["bytes"], fig["mode"]
+  rates = fig["steps_per_hour"]
+  lines = [f"# Decision record: {b['model']} ({mode})", "",
+           "## Placement", f"- trainer axes {b['trainer_axes']}, rollout axes {b['rollout_axes']}",
+           f"- policy weights per device: trainer {_gb(b['trainer_param_bytes_per_device'])}, "
+           f"rollout {_gb(b['rollout_param_bytes_per_device'])}",
+           f"- why {mode}: {fig['why']}", "",
+           "## Weight sync and bytes per step",
+           f"- full sync ({b['sync_dtype']}): {_gb(b['sync_full'])} ({_gb(b['sync_full_per_rollout_device'])} per "
+           f"rollout device); delta at {b['changed_frac']:.0%} changed: {_gb(b['sync_delta'])}; "
+           f"LoRA: {_gb(b['sync_lora'])}",
+           f"- rollout payload: {_gb(b['payload']['total'])}; gradient collectives per trainer rank: "
+           f"{_gb(b['policy_collectives']['total'])}; reference {_gb(b['reference_collectives'])}, "
+           f"critic {_gb(b['critic_collectives']['total'])}"]
+  if "per_hour" in b:
+    lines.append("- per hour at the simulated rate: " + ", ".join(f"{k} {_gb(v)}" for k, v in b["per_hour"].items()))
+  lines += ["", "## Staleness", stale.to_markdown(), "", "## Overlaps required", f"- {fig['overlaps_required']}"]
+  if "overlap" in fig:
+    lines += ["", "## Measured timeline", audit.overlap_audit(spans, predicted).to_markdown()]
+  source = fig["simulator_source"]
+  if not spans:
+    source += "; " + ", ".join(f"{k}={v}" for k, v in fig["assumptions"].items() if v is not None)
+  lines += ["", "## Throughput and rate matching", f"Simulator: {source}.", "",
+            f"| mode | steps/hour | best rollout devices (of {fig['sim_params']['n_devices']}) |", "|---|---|---|"]
+  lines += [f"| {m} | {rates[m]:.1f} | {fig['best_rollout_devices'].get(m, '-')} |" for m in rates]
+  best_mode = max(rates, key=rates.get)
+  lines += ["", f"Fastest on these figures: **{best_mode}**. Configured: {mode} with "
+            f"{fig['sim_params']['rollout_devices']} rollout devices.", "",
+            "![timelines](timelines.png)", "![split sweep](split_sweep.png)", ""]
+  return "\n".join(lines)

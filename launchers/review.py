@@ -1,0 +1,45 @@
+"""The data-path review: a one-page decision record for a config, optionally folding in a measured run.
+
+  python launchers/review.py --config=configs/grpo_gsm8k.py:/models/qwen --out=review/ \
+      [--workdir=RUN] [--train_s=30 --decode_tokens_per_s=2000 --link_gbps=100 --n_devices=64]
+
+Writes record.md, record.json, timelines.png and split_sweep.png into --out. Without --workdir the
+simulator runs on the stated assumptions; with it, on the run's measured spans, and the record adds
+the measured breakdown and staleness (exiting non-zero if the staleness bound was ever exceeded).
+"""
+
+from collections.abc import Sequence
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_task.py:tiny.",
+                                          lock_config=True)
+_OUT = flags.DEFINE_string("out", None, "Directory for the record.", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run of launchers/train.py to fold in.")
+_TRAIN_S = flags.DEFINE_float("train_s", 30.0, "Assumed seconds per train step on the trainer devices.")
+_DECODE = flags.DEFINE_float("decode_tokens_per_s", 2000.0, "Assumed decode tokens/s per rollout device.")
+_PER_SEQ = flags.DEFINE_float("per_seq_tokens_per_s", 50.0, "Assumed decode tokens/s of one sequence.")
+_LINK = flags.DEFINE_float("link_gbps", 100.0, "Trainer -> rollout link bandwidth, Gbit/s.")
+_N_DEVICES = flags.DEFINE_integer("n_devices", None, "Devices to split (default: what the topology uses).")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from jaxrl_topo.review.record import Assumptions, write_record
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  if _CONFIG.value is None and _WORKDIR.value is None:
+    raise app.UsageError("give --config, or --workdir of a run (its config.json is used)")
+  cfg = from_config_dict(_CONFIG.value) if _CONFIG.value is not None else run.load_config(_WORKDIR.value)
+  a = Assumptions(n_devices=_N_DEVICES.value, decode_tokens_per_s_per_device=_DECODE.value,
+                  per_seq_tokens_per_s=_PER_SEQ.value, train_s=_TRAIN_S.value, link_gbps=_LINK.value)
+  fig = write_record(cfg, _OUT.value, workdir=_WORKDIR.value, assumptions=a)
+  rates = ", ".join(f"{m} {v:.1f}" for m, v in fig["steps_per_hour"].items())
+  print(f"wrote {_OUT.value}/record.md (steps/hour: {rates})")
+
+
+if __name__ == "__main__":
+  app.run(main)
