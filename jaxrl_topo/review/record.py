@@ -95,11 +95,12 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   else:
     params = sim_params(cfg, assumptions, sync_bytes)
     source = "assumptions (no measured run given)"
-  timelines = {m: simulator.simulate(m, params, n_steps=24) for m in simulator.MODES}
-  rates = {m: timelines[m].steps_per_hour(warmup=6) for m in simulator.MODES}
+  modes = simulator.MODES if params.n_devices >= 2 else ("colocated",)  # one device: nothing to split
+  timelines = {m: simulator.simulate(m, params, n_steps=24) for m in modes}
+  rates = {m: timelines[m].steps_per_hour(warmup=6) for m in modes}
   splits = list(range(1, params.n_devices))
   sweep = simulator.sweep_split(params, splits, n_steps=24) if splits else {}
-  best = {m: max(sweep, key=lambda s, m=m: sweep[s][m]) for m in simulator.MODES if m != "colocated"} if sweep else {}
+  best = {m: max(sweep, key=lambda s, m=m: sweep[s][m]) for m in modes if m != "colocated"} if sweep else {}
   step = dataclasses.replace(step, steps_per_hour=rates[mode])
   stale = audit.staleness_audit(cfg, histograms or None, metrics=metrics or None)
   fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
@@ -156,5 +157,8 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
   best_mode = max(rates, key=rates.get)
   lines += ["", f"Fastest on these figures: **{best_mode}**. Configured: {mode} with "
             f"{fig['sim_params']['rollout_devices']} rollout devices.", "",
-            "![timelines](timelines.png)", "![split sweep](split_sweep.png)", ""]
+            "![timelines](timelines.png)"]
+  if fig["split_sweep"]:
+    lines.append("![split sweep](split_sweep.png)")
+  lines.append("")
   return "\n".join(lines)
