@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from jaxrl_topo.review import plots
 from jaxrl_topo.review import simulator as S
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,8 +185,8 @@ def test_split_sweep_peaks_in_the_interior():
 def test_plots_write_pngs(tmp_path):
   p = _long_tail(reward_s=1.0, switch_s=2.0)
   tls = {mode: S.simulate(mode, p, 10) for mode in S.MODES}
-  paths = [S.plot_timelines(tls, str(tmp_path / "timelines.png")),
-           S.plot_split_sweep(S.sweep_split(p, [2, 4, 6], n_steps=8), str(tmp_path / "sweep.png"))]
+  paths = [plots.plot_timelines(tls, str(tmp_path / "timelines.png")),
+           plots.plot_split_sweep(S.sweep_split(p, [2, 4, 6], n_steps=8), str(tmp_path / "sweep.png"))]
   for path in paths:
     with open(path, "rb") as f:
       assert f.read(8) == PNG_MAGIC

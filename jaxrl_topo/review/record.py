@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from jaxrl_topo.review import audit, simulator
+from jaxrl_topo.review import audit, plots, simulator
 from jaxrl_topo.review import bytes as bytes_lib
 from jaxrl_topo.runtime.config import RunConfig
 
@@ -113,9 +113,9 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     predicted = {ph: float(np.median([s.end - s.start for s in sim.of(ph)])) for ph in ("rollout", "train", "sync")
                  if sim.of(ph)}
     fig["overlap"] = audit.overlap_audit(spans, predicted).to_dict()
-  simulator.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
+  plots.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
   if sweep:
-    simulator.plot_split_sweep(sweep, os.path.join(out_dir, "split_sweep.png"))
+    plots.plot_split_sweep(sweep, os.path.join(out_dir, "split_sweep.png"))
   with open(os.path.join(out_dir, "record.json"), "w") as f:
     json.dump(fig, f, indent=2, default=str)
   with open(os.path.join(out_dir, "record.md"), "w") as f:
