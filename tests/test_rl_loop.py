@@ -43,6 +43,7 @@ TOPO = {"colocated": dict(mode="colocated", trainer={"fsdp": 4}, rollout={"data"
 def _cfg(mode: str, steps: int, **kw):
   c = load_config("grpo_task", "tiny", **{"run.steps": steps, "run.eval_every": 0, "run.tensorboard": False,
                                           "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 10,
+                                          "run.sft_target_accuracy": 0.0,
                                           "data.batch_size": 4, "rl.group_size": 4, "rollout.n_slots": 16, **kw})
   c.topology = TOPO[mode]
   return from_config_dict(c)
@@ -102,7 +103,8 @@ def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
   import sys
 
   flags = {"run.steps": steps, "run.checkpoint_every": 2, "run.eval_every": 0, "run.tensorboard": False,
-           "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 10, "data.batch_size": 4, "rl.group_size": 4,
+           "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 10, "run.sft_target_accuracy": 0.0,
+           "data.batch_size": 4, "rl.group_size": 4,
            "rollout.n_slots": 16, **overrides}
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "train.py"), "--config",
          os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={workdir}", "--noprogress",
@@ -171,7 +173,8 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
 @pytest.mark.slow
 def test_shortened_demo_raises_the_reward(tmp_path):
   """The demo config (colocated, real reward worker processes), shortened: the reward must rise."""
-  cfg = _cfg("colocated", steps=30, **{"run.sft_steps": 120, "data.batch_size": 8, "rl.group_size": 16,
+  cfg = _cfg("colocated", steps=30, **{"run.sft_steps": 1000, "run.sft_target_accuracy": 0.3,
+                                       "data.batch_size": 8, "rl.group_size": 16,
                                        "run.eval_size": 32, "rollout.n_slots": 128, "reward.n_workers": 2})
   summary = run_lib.train(cfg, str(tmp_path), progress=False)
   rewards = [r["reward_mean"] for r in read_metrics(str(tmp_path))]

@@ -122,7 +122,10 @@ class RunSpec:
   tensorboard: bool = True
   plot: bool = True  # reward curve PNG at the end
   profile_step: int = -1  # jax.profiler trace of this step into <workdir>/profile (-1: none)
-  sft_steps: int = 0  # supervised warm-up on the training split's answers before RL (fresh runs only)
+  sft_steps: int = 0  # supervised warm-up on the training split's answers before RL (fresh runs only): at most
+  sft_target_accuracy: float = 0.0  # > 0: stop the warm-up once greedy accuracy on training prompts reaches it
+  sft_eval_every: int = 5
+  sft_dev_size: int = 256
   sft_lr: float = 3e-3
   sft_batch: int = 64
 

@@ -25,8 +25,11 @@ from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.models.tokenizer import Tokenizer
-from jaxrl_topo.rl.reward_pool import RewardPool
+from jaxrl_topo.rl.reward_pool import RewardPool, score_inline
+from jaxrl_topo.rollout.dense import DecodeConfig
 from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine, to_host
+from jaxrl_topo.rollout.generate import generate_ids
+from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import RunConfig
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
 from jaxrl_topo.topology.rules import TRAIN_RULES
@@ -88,11 +91,28 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def warm_up(cfg: RunConfig, params, fns: PolicyFns, tokenizer: Tokenizer, train_examples: list[dict], *,
+def dev_accuracy(cfg: RunConfig, graphdef, params, tokenizer: Tokenizer, examples: list[dict]) -> float:
+  """Greedy accuracy (the main reward's mean) on `examples` with the dense decoder; single-token stop
+  strings end a completion like EOS."""
+  stops = [ids[0] for ids in (tokenizer.encode(s) for s in cfg.rollout.stop) if len(ids) == 1]
+  decode = DecodeConfig(max_new_tokens=cfg.rollout.max_new_tokens, sampling=SamplingConfig(greedy=True),
+                        eos_ids=tuple(tokenizer.eos_token_ids) + tuple(stops), pad_id=tokenizer.pad_token_id or 0)
+  outs = generate_ids(graphdef, params, [ex["prompt_ids"] for ex in examples], decode, batch_size=64, impl="dense")
+  result = score_inline([(cfg.reward.fn, 1.0)], [ex["prompt"] for ex in examples],
+                        [tokenizer.decode(o.completion_ids) for o in outs], examples)
+  return float(np.mean(result.total_N))
+
+
+def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokenizer, train_examples: list[dict], *,
             row_len: int, resp_len: int):
-  """`run.sft_steps` of supervised warm-up (train/sft.py) on the training split's reference answers,
-  each followed by the first stop string (or EOS), so the model learns where an answer ends."""
+  """Supervised warm-up (train/sft.py) on the training split's reference answers, each followed by the
+  first stop string (or EOS), so the model learns where an answer ends. At most `run.sft_steps`; with
+  `run.sft_target_accuracy` > 0 it stops as soon as greedy accuracy on the first `run.sft_dev_size`
+  TRAINING prompts reaches the target (checked every `run.sft_eval_every` steps): after a fixed step
+  count the accuracy RL starts from varies a lot with the seed, and RL needs a start that is right
+  sometimes but not mostly."""
   rc = cfg.run
+  dev = train_examples[: rc.sft_dev_size]
   end = tokenizer.encode(cfg.rollout.stop[0]) if cfg.rollout.stop else list(tokenizer.eos_token_ids[:1])
   pairs = [(ex["prompt_ids"], (tokenizer.encode(str(ex["answer"])) + end)[:resp_len]) for ex in train_examples
            if ex.get("answer")]
@@ -110,6 +130,12 @@ def warm_up(cfg: RunConfig, params, fns: PolicyFns, tokenizer: Tokenizer, train_
     if (i + 1) % 10 == 0 or i + 1 == rc.sft_steps:
       logging.info("sft warm-up %d/%d: loss %.3f (%.0f s)", i + 1, rc.sft_steps, float(to_host(loss)),
                    time.perf_counter() - t0)
+    if rc.sft_target_accuracy > 0 and (i + 1) % rc.sft_eval_every == 0:
+      acc = dev_accuracy(cfg, graphdef, params, tokenizer, dev)
+      if acc >= rc.sft_target_accuracy:
+        logging.info("sft warm-up: dev accuracy %.3f >= %.2f after %d steps; stopping", acc,
+                     rc.sft_target_accuracy, i + 1)
+        break
   return params
 
 
@@ -154,7 +180,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   fns = model_fns(graphdef)
   if warmup and cfg.run.sft_steps:
     train_examples = pipeline.load_prompts(cfg.data, tokenizer, "train").examples
-    params = warm_up(cfg, params, fns, tokenizer, train_examples, row_len=row_len, resp_len=resp_len)
+    params = warm_up(cfg, graphdef, params, fns, tokenizer, train_examples, row_len=row_len, resp_len=resp_len)
   state = create_train_state(params, tcfg, tx, d_model=model_cfg.d_model)  # donates `params`
   step_fn = make_train_step(fns, tcfg, tx, state, mesh=topology.trainer, rules=TRAIN_RULES)
   policy = merge_lora(state.frozen, state.params["policy"], cfg.lora) if cfg.lora.enabled else state.params["policy"]
