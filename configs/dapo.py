@@ -7,21 +7,15 @@ draws more prompts, up to `reward.max_sampling_rounds` rollouts per step; overlo
 up to `overlong_penalty` over the last `overlong_buffer` tokens before the length limit.
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
-
-def _grpo_task():
-  spec = importlib.util.spec_from_file_location("grpo_task", os.path.join(os.path.dirname(__file__), "grpo_task.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from jaxrl_topo.runtime.config import config_from_file
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = _grpo_task().get_config(arg or "tiny")
+  c = config_from_file(os.path.join(os.path.dirname(__file__), "grpo_task.py"), arg or "tiny")
   c.unlock()
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.28

@@ -6,7 +6,6 @@ rollout data=2 x tensor=2): colocated on devices 0-3, disaggregated / async with
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.runtime import run as run_lib
-from jaxrl_topo.runtime.config import from_config_dict
+from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 from jaxrl_topo.runtime.metrics import comparable, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,10 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load_config(name: str, arg: str, **overrides):
   """configs/<name>.py:<arg> with dotted overrides, as the launcher applies them."""
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(arg)
+  c = config_from_file(os.path.join(ROOT, "configs", f"{name}.py"), arg)
   for dotted, value in overrides.items():
     node = c
     *path, last = dotted.split(".")
@@ -145,7 +141,6 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, launched, tm
 
 
 def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
-  import jax
   import torch
   import transformers
 
@@ -167,7 +162,6 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
   assert not np.array_equal(np.asarray(init["embed_tokens"]), np.asarray(params["embed_tokens"]))
   with Checkpointer(str(launched / "ref" / "checkpoints")) as ck:
     assert ck.latest_step() == 6
-  del jax
 
 
 @pytest.mark.slow

@@ -222,6 +222,7 @@ class RolloutEngine:
                mesh: jax.sharding.Mesh | None = None, detokenize: Callable[[Sequence[int]], str] | None = None):
     self.graphdef, self.cfg, self.ecfg = graphdef, cfg, ecfg
     self.params, self.gen_id, self.detokenize = params, gen_id, detokenize
+    self.sampling = ecfg.sampling  # run(sampling=...) overrides it for one call
     self.key = jax.random.key(seed)
     self.mesh = mesh
     self._pending: _Pending | None = None
@@ -320,7 +321,7 @@ class RolloutEngine:
       src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
       self.state = copy_pages(self.state, src, dst)
     first, lps = to_host(sample_first(logits, self.key, np.asarray(seq_ids, np.int32), np.int32(n_prompt),
-                                      sampling=e.sampling))
+                                      sampling=self.sampling))
     self.stats["prefills"] += 1
     self.stats["forks"] += len(slots) - 1
     h = self.host
@@ -345,7 +346,7 @@ class RolloutEngine:
     self.state = self.state.replace(cache=self.state.cache.replace(table_BM=self._put(self.pool.table(), "BM")),
                                     **self._slot_arrays())
     self.state, toks, lps, emitted = generate(
-        self.graphdef, self.params, self.state, self.key, self._put(h.stop_BX, "BM"), sampling=e.sampling,
+        self.graphdef, self.params, self.state, self.key, self._put(h.stop_BX, "BM"), sampling=self.sampling,
         n_steps=e.decode_chunk, eos_ids=e.eos_ids, pad_id=e.pad_id)
     names = ("last_B", "pos_B", "left_B", "active_B")
     toks, lps, emitted, dev = to_host((toks, lps, emitted, [getattr(self.state, k) for k in names]))
@@ -385,18 +386,21 @@ class RolloutEngine:
         raise ValueError(f"request {r}: token ids must lie in [0, {self.cfg.vocab_size})")
 
   def run(self, requests: Sequence[Request], on_chunk: Callable[[RolloutEngine], None] | None = None, *,
-          key: jax.Array | None = None) -> list[Sample]:
+          key: jax.Array | None = None, sampling: SamplingConfig | None = None) -> list[Sample]:
     """Generates every request's n samples; returns them request-major. `on_chunk(engine)` runs
     between decode chunks, e.g. to `update_weights` (which then lands under its policy). `key`
-    replaces the engine's sampling key from now on (the RL loop gives each step its own)."""
+    replaces the engine's sampling key from now on (the RL loop gives each step its own); `sampling`
+    replaces `ecfg.sampling` for this call only (e.g. greedy evaluation)."""
     self._check(requests)
     if key is not None:
       self.key = key
     self._running = True
+    self.sampling = sampling or self.ecfg.sampling
     try:
       return self._run(_Loop(self, requests), on_chunk)
     finally:
       self._running = False
+      self.sampling = self.ecfg.sampling
 
   def _run(self, loop: _Loop, on_chunk) -> list[Sample]:
     while loop.queue or loop.live:

@@ -274,6 +274,21 @@ def _defaults(cls, **required) -> dict:
   return out
 
 
+def config_from_file(path: str, arg: str | None = None):
+  """`get_config(arg)` of a config file (what `--config=path:arg` gives the launchers), for configs that
+  build on a sibling file and for tests."""
+  import importlib.util
+  import os
+
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(f"jaxrl_config_{name}", path)
+  if spec is None or not os.path.isfile(path):
+    raise FileNotFoundError(f"no config file at {path}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def base_config_dict():
   """Every key a run reads, at its default; configs/<name>.py change what they need and `lock()` it,
   so a typo in an override (`--config.rl.gruop_size=8`) is rejected with the closest valid key."""

@@ -59,7 +59,8 @@ class Experiment:
   rewards: RewardPool
   prompts: pipeline.PromptIterator
   heldout: list[dict]
-  stop_ids: tuple[int, ...]  # besides EOS: the answer ends at a newline
+  stop_ids: tuple[int, ...]  # rollout.stop entries that are one token: stopped on device
+  stop_strings: tuple[str, ...]  # the others: matched on the decoded text after each chunk
   resp_len: int
   row_len: int
 
@@ -91,12 +92,18 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def split_stops(tokenizer: Tokenizer, stops) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """(stop token ids, stop strings): a stop that encodes to one token stops on device, the rest on text."""
+  encoded = [(s, tokenizer.encode(s)) for s in stops]
+  return (tuple(ids[0] for _, ids in encoded if len(ids) == 1), tuple(s for s, ids in encoded if len(ids) != 1))
+
+
 def dev_accuracy(cfg: RunConfig, graphdef, params, tokenizer: Tokenizer, examples: list[dict]) -> float:
   """Greedy accuracy (the main reward's mean) on `examples` with the dense decoder; single-token stop
   strings end a completion like EOS."""
-  stops = [ids[0] for ids in (tokenizer.encode(s) for s in cfg.rollout.stop) if len(ids) == 1]
+  stop_ids, _ = split_stops(tokenizer, cfg.rollout.stop)
   decode = DecodeConfig(max_new_tokens=cfg.rollout.max_new_tokens, sampling=SamplingConfig(greedy=True),
-                        eos_ids=tuple(tokenizer.eos_token_ids) + tuple(stops), pad_id=tokenizer.pad_token_id or 0)
+                        eos_ids=tuple(tokenizer.eos_token_ids) + stop_ids, pad_id=tokenizer.pad_token_id or 0)
   outs = generate_ids(graphdef, params, [ex["prompt_ids"] for ex in examples], decode, batch_size=64, impl="dense")
   result = score_inline([(cfg.reward.fn, 1.0)], [ex["prompt"] for ex in examples],
                         [tokenizer.decode(o.completion_ids) for o in outs], examples)
@@ -191,11 +198,11 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   detok = lambda ids: tokenizer.decode(ids)  # noqa: E731
   engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
                          detokenize=detok)
-  newline = tokenizer.encode("\n")
-  stop_ids = tuple(newline) if len(newline) == 1 else ()
+  stop_ids, stop_strings = split_stops(tokenizer, cfg.rollout.stop)
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
   return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
                     topology=topology, fns=fns, state=state, step_fn=step_fn, plan=plan, engine=engine,
-                    rewards=rewards, prompts=prompts, heldout=heldout, stop_ids=stop_ids, resp_len=resp_len,
+                    rewards=rewards, prompts=prompts, heldout=heldout, stop_ids=stop_ids,
+                    stop_strings=stop_strings, resp_len=resp_len,
                     row_len=row_len)

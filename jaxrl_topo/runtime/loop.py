@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample, to_host
+from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.experiment import Experiment
 from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch
@@ -75,16 +76,8 @@ def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, star
 
 
 def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:
-  r = exp.cfg.rollout
-  stop_ids = tuple(i for s in r.stop for i in _single_id(exp, s))
-  stop_strings = tuple(s for s in r.stop if not _single_id(exp, s))
-  return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=r.max_new_tokens, stop_ids=stop_ids,
-                  stop_strings=stop_strings) for ex in examples]
-
-
-def _single_id(exp: Experiment, s: str) -> tuple[int, ...]:
-  ids = exp.tokenizer.encode(s)
-  return tuple(ids) if len(ids) == 1 else ()
+  return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=exp.cfg.rollout.max_new_tokens,
+                  stop_ids=exp.stop_ids, stop_strings=exp.stop_strings) for ex in examples]
 
 
 def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
@@ -191,17 +184,9 @@ def evaluate(exp: Experiment, tag: int = 0) -> float:
   """Held-out accuracy (0..1): the main reward function's mean score, one greedy sample per prompt."""
   if not exp.heldout:
     return float("nan")
-  r = exp.cfg.rollout
-  saved = exp.engine.ecfg
-  if r.eval_greedy:
-    from jaxrl_topo.rollout.sampling import SamplingConfig
-    exp.engine.ecfg = dataclasses.replace(saved, sampling=SamplingConfig(greedy=True))
-  try:
-    reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
-    samples = exp.engine.run(reqs, key=key)
-  finally:
-    exp.engine.ecfg = saved
+  reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
+  samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None)
   result = exp.rewards.score([ex["prompt"] for ex in exp.heldout], _texts(exp, samples), exp.heldout)
   return float(np.mean(result.per_fn[exp.cfg.reward.fn]))
 
