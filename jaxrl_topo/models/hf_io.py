@@ -107,7 +107,7 @@ def read_config(model_dir: str, **overrides) -> ModelConfig:
     return from_hf_dict(json.load(f), **overrides)
 
 
-def _tensor_files(model_dir: str) -> dict[str, str]:
+def tensor_files(model_dir: str) -> dict[str, str]:
   """HF tensor name -> safetensors file holding it."""
   index = os.path.join(model_dir, "model.safetensors.index.json")
   if os.path.isfile(index):
@@ -126,8 +126,9 @@ def _tensor_files(model_dir: str) -> dict[str, str]:
   return out
 
 
-def _check_names(expected: dict[str, tuple], files: dict[str, str], cfg: ModelConfig) -> None:
-  present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+def _check_names(expected: dict[str, tuple], files: dict[str, str], cfg: ModelConfig,
+                 ignore: tuple[str, ...] = ()) -> None:
+  present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES) and n not in ignore}
   if cfg.tie_embeddings:
     present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
   missing = sorted(set(expected) - present)
@@ -140,15 +141,17 @@ def _check_names(expected: dict[str, tuple], files: dict[str, str], cfg: ModelCo
                           f"{' ...' if len(unexpected) > 5 else ''} that the config does not use")
 
 
-def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules | None = None):
-  """(graphdef, params) from `model_dir`'s safetensors, each device getting only its own shards."""
+def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rules: Rules | None = None, *,
+                ignore: tuple[str, ...] = ()):
+  """(graphdef, params) from `model_dir`'s safetensors, each device getting only its own shards.
+  `ignore`: tensor names another reader takes (e.g. a reward model's `score.weight`)."""
   sharding = ActivationSharding(mesh, rules) if mesh is not None else None
   graphdef, abstract = abstract_model(cfg, sharding)
   shardings = (param_shardings(abstract, mesh, rules) if mesh is not None
                else jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract.shapes))
   expected = {hf_name(p): (p, sds) for p, sds in _flat(abstract.shapes)}
-  files = _tensor_files(model_dir)
-  _check_names(expected, files, cfg)
+  files = tensor_files(model_dir)
+  _check_names(expected, files, cfg, ignore)
   leaves = {}
   with contextlib.ExitStack() as stack:
     handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
   from jaxrl_topo.runtime.config import RunConfig
 
-PHASES = ("rollout", "reward", "train", "sync", "eval")  # the loop's span phases, in data-flow order
-TRAINER_PHASES = ("train", "sync")  # what keeps the trainer's devices busy
+PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval")  # the loop's span phases, in data-flow order
+TRAINER_PHASES = ("logprobs", "train", "sync")  # what keeps the trainer's devices busy
 ROLLOUT_PHASES = ("rollout", "eval", "sync")  # ... and the rollout's
 _EPS = 1e-9  # seconds: less overlap than this is "serialised"
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from jaxrl_topo.review.simulator import Span, Timeline
 
-_COLORS = {"rollout": "tab:blue", "reward": "tab:olive", "switch": "tab:gray", "train": "tab:orange",
+_COLORS = {"rollout": "tab:blue", "reward": "tab:olive", "switch": "tab:gray", "logprobs": "tab:red",
+           "train": "tab:orange",
            "sync": "tab:green"}
 
 

@@ -371,7 +371,7 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
               per_seq_tokens_per_s: float | None = None, sync_bytes: float | None = None,
               link_gbps: float | None = None, sync_latency_s: float = 0.0, switch_s: float = 0.0,
               eta: int = 1, rollout_devices: int | None = None, skip_steps: int = 0, seed: int = 0) -> SimParams:
-  """SimParams from a measured run's spans (median per-step durations of rollout, reward, train, sync).
+  """SimParams from a measured run's spans (median per-step durations of rollout, reward, logprobs + train, sync).
 
   Tokens per step: `tokens_per_step`, else the median per-step sum of a `tokens` field on rollout spans, else
   batch_seqs * median_len * E[L]/m. The median length follows from the tokens (or is given). Throughput is
@@ -381,8 +381,11 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   colocated: its split (for the disjoint modes) defaults to half the devices.
   """
   _validate_spans(spans)
-  med = {ph: _median_or_none(_per_step(spans, ph, skip_steps)) for ph in ("rollout", "reward", "train", "sync")}
+  med = {ph: _median_or_none(_per_step(spans, ph, skip_steps))
+         for ph in ("rollout", "reward", "logprobs", "train", "sync")}
   rollout_s, train_s = med["rollout"], med["train"]
+  if train_s is not None and med["logprobs"] is not None:  # the simulator's train phase includes the pre-pass
+    train_s += med["logprobs"]
   if rollout_s is None or train_s is None:
     raise ValueError(f"calibrate needs rollout and train spans at step >= {skip_steps}")
   r_dev, t_dev = _devices(spans, "rollout"), _devices(spans, "train")

@@ -33,6 +33,7 @@ from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
+from jaxrl_topo.topology.hostcomm import to_host
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,38 +148,6 @@ def generate(graphdef, params, state: DecodeState, key, stop_BX, *, sampling: Sa
 
 
 _MAX_STOP_IDS = 4  # per-request stop ids beyond eos_ids (static width of the device array)
-
-
-def to_host(tree):
-  """numpy copies of every array. An array on other processes' devices (a multi-process run: the
-  rollout mesh may live on other hosts) is assembled on every process, so each holds the same host
-  state and takes the same decisions. That exchange is a collective over all devices, so it waits
-  for whatever they are running: across processes, rollout does not overlap training."""
-  return jax.tree.map(_one_to_host, tree)
-
-
-def _one_to_host(x):
-  if not isinstance(x, jax.Array) or x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-
-  # Each distinct slice is contributed once, by the lowest-numbered process holding it; the sum of
-  # the per-process buffers is then the array (bool via int8).
-  owners = {}
-  for device, index in x.sharding.devices_indices_map(x.shape).items():
-    key = tuple((sl.start, sl.stop) for sl in index)
-    owners[key] = min(owners.get(key, device.process_index), device.process_index)
-  dtype = np.int8 if x.dtype == bool else x.dtype
-  mine = np.zeros(x.shape, dtype)
-  me = jax.process_index()
-  done = set()
-  for shard in x.addressable_shards:
-    key = tuple((sl.start, sl.stop) for sl in shard.index)
-    if owners[key] == me and key not in done:
-      mine[shard.index] = np.asarray(shard.data).astype(dtype)
-      done.add(key)
-  total = np.asarray(multihost_utils.process_allgather(mine)).sum(axis=0).astype(dtype)
-  return total.astype(bool) if x.dtype == bool else total
 
 
 UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")

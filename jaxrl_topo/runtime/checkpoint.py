@@ -5,6 +5,11 @@ Layout: one step directory per checkpoint, `<directory>/<step>/`, holding two or
          every process (orbax's StandardCheckpointHandler; no process gathers a full copy);
   meta   a JSON dict written next to it (gen_id, data-iterator state, step, seed, mode, in-flight policy...).
 
+Multi-process runs where only some processes hold the state (a disaggregated trainer): those processes
+own the Checkpointer (`processes=`, orbax's active processes). When that is one process of several, the
+state is saved from host copies (orbax rejects a jax.Array one process holds whole while others exist)
+and restored onto the abstract state's shardings.
+
 Durability. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only after
 every item is written (on object stores, where there is no rename, it writes a commit_success file instead).
 A process killed mid-write therefore leaves the previous checkpoints intact and the torn one out of every
@@ -73,13 +78,28 @@ def abstract_like(tree):
 class Checkpointer:
   """Keep-N, optionally async checkpoints of (state pytree, JSON meta) in `directory`; see the module doc."""
 
-  def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True,
+               processes: frozenset[int] | None = None):
+    """`processes`: the processes that hold the state (default all); only they may construct and call
+    this Checkpointer (a disaggregated run's rollout-only processes hold none of the train state)."""
     if not isinstance(keep, int) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1 (checkpoints kept on disk)")
     directory = str(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    multi = ocp.options.MultiprocessingOptions()
+    self._host_copies = False
+    if processes is not None and set(processes) != set(range(jax.process_count())):
+      if jax.process_index() not in processes:
+        raise ValueError(f"Checkpointer: process {jax.process_index()} is not one of its processes {sorted(processes)}")
+      multi = ocp.options.MultiprocessingOptions(primary_host=min(processes), active_processes=set(processes),
+                                                 barrier_sync_key_prefix="trainer")
+      # orbax refuses a jax.Array one process holds whole while others exist; one holder saves host copies
+      self._host_copies = len(processes) == 1
+      if "://" not in self.directory:  # orbax will not create the root for a subset of processes
+        os.makedirs(self.directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True, create=True)
+                                           cleanup_tmp_directories=True, create=multi.active_processes is None,
+                                           multiprocessing_options=multi)
     # Handlers named up front, so a fresh manager can read a step's metadata before any save or restore.
     self._mngr = ocp.CheckpointManager(
         self.directory, options=options,
@@ -104,6 +124,8 @@ class Checkpointer:
     if newest is not None and step <= newest:
       raise ValueError(f"Checkpointer.save: step {step} <= newest checkpoint {newest} in {self.directory}; "
                        "steps must increase")
+    if self._host_copies:
+      state = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state)
     args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)})
     if not self._mngr.save(step, args=args, force=True):  # force: bypass the save-interval policy
       raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
@@ -145,12 +167,16 @@ class Checkpointer:
         raise ValueError(f"Checkpointer.restore: abstract_state leaf {_path_str(path)} is {leaf!r}; expected a "
                          "jax.ShapeDtypeStruct with a sharding (see abstract_like)")
     self._check_matches(step, want)
-    args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract_state), _META: ocp.args.JsonRestore()})
+    target = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_state) if self._host_copies else abstract_state
+    args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()})
     try:
       restored = self._mngr.restore(step, args=args)
     except ValueError as e:
       raise ValueError(f"restoring checkpoint step {step} from {self.directory}: {e}") from e
-    return restored[_STATE], dict(restored[_META])
+    state = restored[_STATE]
+    if self._host_copies:
+      state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, abstract_state)
+    return state, dict(restored[_META])
 
   def _check_matches(self, step: int, want: dict[tuple[str, ...], jax.ShapeDtypeStruct]) -> None:
     """Leafwise comparison of the checkpoint's array metadata with the abstract state."""

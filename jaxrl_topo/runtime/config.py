@@ -81,12 +81,21 @@ class RolloutSpec:
 ON_ERROR = ("score", "drop")
 
 
+MODEL_REWARD = "model"  # the reward model's name among the reward functions
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
   """Reward functions (import paths or built-in names, rl/rewards.py) and the shaping around them."""
 
-  fn: str = "task"  # the main reward: "task", "math_answer", "format" or "pkg.module:fn"
+  fn: str = "task"  # the main reward: "task", "math_answer", "format", "pkg.module:fn", or "model"
   extra: dict[str, float] = dataclasses.field(default_factory=dict)  # more functions: name -> weight
+  # A learned reward model (rl/reward_model.py): an HF *ForSequenceClassification directory (num_labels=1),
+  # on the topology's "reward" role (its own `topology.reward_devices`), else on the rollout devices.
+  # Its score of prompt + completion is added with `model_weight`; with fn="model" it is the main reward.
+  model_dir: str | None = None
+  model_weight: float = 1.0
+  model_batch_size: int = 32
   n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
   timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
   error_score: float = 0.0
@@ -99,10 +108,15 @@ class RewardSpec:
   def __post_init__(self):
     if self.n_workers < 0 or not self.timeout_s > 0 or self.max_sampling_rounds < 1 or self.overlong_buffer < 0:
       raise ValueError("reward: n_workers >= 0, timeout_s > 0, max_sampling_rounds >= 1, overlong_buffer >= 0")
+    if self.fn == MODEL_REWARD and self.model_dir is None:
+      raise ValueError('reward.fn="model" needs reward.model_dir (an HF *ForSequenceClassification directory)')
+    if self.model_batch_size < 1:
+      raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
 
   @property
   def fns(self) -> tuple[tuple[str, float], ...]:
-    return ((self.fn, 1.0), *self.extra.items())
+    """The reward functions the worker pool runs (the model is scored on devices instead)."""
+    return tuple((name, w) for name, w in ((self.fn, 1.0), *self.extra.items()) if name != MODEL_REWARD)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,10 +277,19 @@ def from_config_dict(config: Any) -> RunConfig:
 
 
 def _defaults(cls, **required) -> dict:
+  """{field: default}; a `T | None = None` field becomes a typed placeholder, so a locked config still
+  accepts `--config.section.field=value` for it (ml-collections cannot override a plain None)."""
+  from ml_collections import config_dict
+
+  hints = typing.get_type_hints(cls)
   out = {}
   for f in dataclasses.fields(cls):
     if f.name in required:
       out[f.name] = required[f.name]
+    elif f.default is None:
+      inner = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+      simple = len(inner) == 1 and inner[0] in (str, int, float, bool)
+      out[f.name] = config_dict.placeholder(inner[0]) if simple else None
     elif f.default is not dataclasses.MISSING:
       out[f.name] = f.default
     elif f.default_factory is not dataclasses.MISSING:
@@ -302,6 +325,8 @@ def base_config_dict():
   c.rl = _defaults(LossConfig, group_size=8)
   c.optim = _defaults(OptimConfig)
   c.lora = _defaults(LoraConfig)
-  c.topology = dict(mode="colocated", trainer={"fsdp": 1}, rollout={"data": 1}, reward_devices=0)
+  # Every axis is listed (size 1 = unused) so `--config.topology.rollout.tensor=2` is a valid override.
+  c.topology = dict(mode="colocated", trainer={"data": 1, "fsdp": 1, "tensor": 1}, rollout={"data": 1, "tensor": 1},
+                    reward_devices=0)
   c.run = _defaults(RunSpec)
   return c

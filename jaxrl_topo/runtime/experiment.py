@@ -25,13 +25,15 @@ from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.models.tokenizer import Tokenizer
+from jaxrl_topo.rl.reward_model import RewardModel
 from jaxrl_topo.rl.reward_pool import RewardPool, score_inline
 from jaxrl_topo.rollout.dense import DecodeConfig
-from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine, to_host
+from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
 from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.runtime.config import MODEL_REWARD, RunConfig
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
+from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.topology.transfer import TransferPlan
 from jaxrl_topo.train.batch import Completion, build_batch
@@ -40,7 +42,7 @@ from jaxrl_topo.train.optim import make_optimizer
 from jaxrl_topo.train.policy import PolicyFns, model_fns
 from jaxrl_topo.train.sft import make_sft_step
 from jaxrl_topo.train.state import TrainState, create_train_state
-from jaxrl_topo.train.step import make_train_step
+from jaxrl_topo.train.step import make_logprobs_fn, make_train_step
 
 
 @dataclasses.dataclass
@@ -54,9 +56,11 @@ class Experiment:
   fns: PolicyFns
   state: TrainState
   step_fn: object  # the jitted train step (state donated)
+  logprobs_fn: object | None  # the jitted "logprobs" phase (reference log-probs, old values), None if unused
   plan: TransferPlan  # trainer params -> rollout layout
   engine: RolloutEngine
   rewards: RewardPool
+  reward_model: RewardModel | None  # reward.model_dir, on the "reward" role's mesh (else the rollout's)
   prompts: pipeline.PromptIterator
   heldout: list[dict]
   stop_ids: tuple[int, ...]  # rollout.stop entries that are one token: stopped on device
@@ -66,6 +70,10 @@ class Experiment:
 
   def close(self) -> None:
     self.rewards.close()
+
+  @property
+  def reward_devices(self) -> list[int]:
+    return [] if self.reward_model is None else sorted(int(d.id) for d in self.reward_model.mesh.devices.flat)
 
 
 def model_dir_for(cfg: RunConfig, workdir: str) -> str:
@@ -148,10 +156,9 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
 
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   """`warmup=False` skips the supervised warm-up (a resumed run restores its trained state)."""
-  if jax.process_count() > 1 and cfg.topology.mode != "colocated":
-    raise NotImplementedError(
-        f"{cfg.topology.mode} mode across {jax.process_count()} processes is not supported yet (a run hung in the "
-        "host-side gather of rollout results while training was in flight); use colocated, or one process")
+  if cfg.reward.fn == MODEL_REWARD and cfg.run.sft_steps and cfg.run.sft_target_accuracy > 0:
+    raise ValueError("run.sft_target_accuracy stops the warm-up on a verifier's accuracy; with reward.fn='model' "
+                     "there is none: set run.sft_target_accuracy=0 (a fixed run.sft_steps) or run.sft_steps=0")
   os.makedirs(workdir, exist_ok=True)
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)
@@ -190,11 +197,20 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
     params = warm_up(cfg, graphdef, params, fns, tokenizer, train_examples, row_len=row_len, resp_len=resp_len)
   state = create_train_state(params, tcfg, tx, d_model=model_cfg.d_model)  # donates `params`
   step_fn = make_train_step(fns, tcfg, tx, state, mesh=topology.trainer, rules=TRAIN_RULES)
+  logprobs_fn = make_logprobs_fn(fns, tcfg, state, mesh=topology.trainer, rules=TRAIN_RULES)
   policy = merge_lora(state.frozen, state.params["policy"], cfg.lora) if cfg.lora.enabled else state.params["policy"]
   # Same layout and dtype on both sides (colocated, fp32) makes the plan zero-copy: the engine then
   # reads the trainer's arrays, which the next train step donates; every sync replaces them.
   plan = TransferPlan.build(policy, shardings["rollout"], dst_dtype=jax.numpy.dtype(model_cfg.dtype))
   rollout_params, _ = plan.run(policy)
+  reward_model = None
+  if cfg.reward.model_dir is not None:
+    role = "reward" if "reward" in dict(topology.roles) else "rollout"
+    reward_model = RewardModel.load(cfg.reward.model_dir, topology.mesh_for(role), topology.rules_for(role),
+                                    dtype=cfg.model.dtype, batch_size=cfg.reward.model_batch_size)
+    if reward_model.cfg.vocab_size < model_cfg.vocab_size:
+      raise ValueError(f"reward model {cfg.reward.model_dir} has vocab_size {reward_model.cfg.vocab_size} < the "
+                       f"policy's {model_cfg.vocab_size}: it must read the policy's token ids")
   detok = lambda ids: tokenizer.decode(ids)  # noqa: E731
   engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
                          detokenize=detok)
@@ -202,7 +218,6 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
   return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
-                    topology=topology, fns=fns, state=state, step_fn=step_fn, plan=plan, engine=engine,
-                    rewards=rewards, prompts=prompts, heldout=heldout, stop_ids=stop_ids,
-                    stop_strings=stop_strings, resp_len=resp_len,
-                    row_len=row_len)
+                    topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, plan=plan,
+                    engine=engine, rewards=rewards, reward_model=reward_model, prompts=prompts, heldout=heldout,
+                    stop_ids=stop_ids, stop_strings=stop_strings, resp_len=resp_len, row_len=row_len)

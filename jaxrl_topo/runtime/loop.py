@@ -28,13 +28,16 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample, to_host
+from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.runtime.config import MODEL_REWARD
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.topology import hostcomm
+from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch
 from jaxrl_topo.train.lora import merge_lora
-from jaxrl_topo.train.step import batch_sharding_for, check_batch
+from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
 _ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
 
@@ -58,8 +61,14 @@ class _InFlight:
   traj: Trajectories
   metrics: dict  # device scalars
   t0: float
+  pre: dict | None = None  # the logprobs phase's device outputs (None: the step computes them itself)
+  pre_done_at: float | None = None  # first time the host saw the logprobs phase finished
   chunks: int = 0  # decode chunks run since dispatch (async landing rule)
   done_at: float | None = None  # first time the host saw the step finished (between decode chunks)
+
+
+def _ready(tree) -> bool:
+  return all(x.is_ready() for x in jax.tree.leaves(tree))
 
 
 def _devices(mesh) -> list[int]:
@@ -84,19 +93,33 @@ def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
   return [exp.tokenizer.decode(s.tokens) for s in samples]
 
 
+def _score_texts(exp: Experiment, meta: list[dict], samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, dict]:
+  """(weighted total, the main reward's scores, info) of one sample per `meta` entry: the reward
+  functions in the worker pool, plus the reward model (on its devices) when there is one."""
+  rc = exp.cfg.reward
+  result = exp.rewards.score([m["prompt"] for m in meta], _texts(exp, samples), meta)
+  total, per_fn = result.total_N.astype(np.float32).copy(), dict(result.per_fn)
+  info = {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
+  if exp.reward_model is not None:
+    model_N = exp.reward_model.score([list(m["prompt_ids"]) + list(s.tokens) for m, s in zip(meta, samples,
+                                                                                           strict=True)])
+    per_fn[MODEL_REWARD] = model_N
+    total += (1.0 if rc.fn == MODEL_REWARD else rc.model_weight) * model_N
+    info["reward/model_mean"] = float(model_N.mean())
+  return total, per_fn[rc.fn], info
+
+
 def score(exp: Experiment, examples: list[dict], samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, dict]:
   """(shaped rewards, main-function scores, info) for group-major samples of `examples`."""
   G = exp.cfg.rl.group_size
   meta = [examples[i // G] for i in range(len(samples))]
-  result = exp.rewards.score([m["prompt"] for m in meta], _texts(exp, samples), meta)
-  main = result.per_fn[exp.cfg.reward.fn]
-  rewards = result.total_N.astype(np.float32).copy()
+  rewards, main, info = _score_texts(exp, meta, samples)
   rc = exp.cfg.reward
   if rc.overlong_buffer:  # DAPO soft overlong punishment: linear over the last `buffer` tokens
     limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
     over = np.array([max(0, len(s.tokens) - limit) for s in samples], np.float32)
     rewards -= rc.overlong_penalty * over / rc.overlong_buffer
-  return rewards, main, {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
+  return rewards, main, info
 
 
 def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
@@ -119,7 +142,7 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
     rewards, main, rinfo = score(exp, examples, samples)
     t2 = time.perf_counter()
     info["time/reward_s"] += t2 - t1
-    on_span(span("reward", "reward", [], step, gen_id, t1, t2))
+    on_span(span("reward", "reward", exp.reward_devices, step, gen_id, t1, t2))
     info.update(rinfo)
     for g, ex in enumerate(examples):
       group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
@@ -187,8 +210,7 @@ def evaluate(exp: Experiment, tag: int = 0) -> float:
   reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
   samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None)
-  result = exp.rewards.score([ex["prompt"] for ex in exp.heldout], _texts(exp, samples), exp.heldout)
-  return float(np.mean(result.per_fn[exp.cfg.reward.fn]))
+  return float(np.mean(_score_texts(exp, exp.heldout, samples)[1]))
 
 
 # ---------------------------------------------------------------- the loop
@@ -244,15 +266,26 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       exp.engine.release_kv()
     t0 = time.perf_counter()
     batch = jax.device_put(batch, batch_sharding_for(exp.topology.trainer, TRAIN_RULES))  # global arrays
+    pre = None
+    if exp.logprobs_fn is not None:  # its own program, so the phase has its own time; the step is queued behind
+      pre = exp.logprobs_fn(exp.state, batch)
+      batch = with_logprobs(batch, pre)
     exp.state, metrics = exp.step_fn(exp.state, batch)
-    return _InFlight(traj.step, traj, metrics, t0)
+    return _InFlight(traj.step, traj, metrics, t0, pre)
 
   def land(flight: _InFlight, policy: str) -> None:
     nonlocal version
+    t_pre = flight.t0
+    if flight.pre is not None:
+      if flight.pre_done_at is None:  # waiting costs the device nothing: the train step is already queued
+        jax.block_until_ready(flight.pre)
+        flight.pre_done_at = time.perf_counter()
+      t_pre = flight.pre_done_at
+      hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre))
     train = to_host(flight.metrics)
     end = flight.done_at or time.perf_counter()
-    t_train = end - flight.t0
-    hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, flight.t0, end))
+    t_train = end - t_pre
+    hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, t_pre, end))
     version += 1
     t_sync = time.perf_counter()
     sync = sync_weights(exp, version, policy)
@@ -261,6 +294,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     m = _step_metrics(flight.traj, train, version - 1, cfg.rl.group_size)
     m.update(sync)
     m["time/train_s"] = t_train
+    m["time/logprobs_s"] = t_pre - flight.t0
     m["version"] = version
     if m["staleness/max"] > eta:
       raise AssertionError(f"step {flight.step}: a token {m['staleness/max']} versions old exceeds eta={eta}")
@@ -277,13 +311,18 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
       last = m
       hooks.on_step(step, m)
+      hostcomm.collect()  # multi-process: every host read of this step is done; free the store's keys
 
   def tick(engine: RolloutEngine) -> None:  # between decode chunks
     nonlocal pending
     if pending is None:
       return
-    if pending.done_at is None and all(x.is_ready() for x in jax.tree.leaves(pending.metrics)):
-      pending.done_at = time.perf_counter()  # a timestamp for the timeline only, never a decision
+    now = time.perf_counter()  # timestamps for the timeline only, never a decision
+    if pending.pre is not None and pending.pre_done_at is None and _ready(pending.pre):
+      pending.pre_done_at = now
+    if pending.done_at is None and _ready(pending.metrics):
+      pending.done_at = now
+      pending.pre_done_at = pending.pre_done_at or now
     pending.chunks += 1
     if mode == "async" and pending.chunks >= cfg.run.land_after_chunks:
       land(pending, cfg.rollout.update_policy)

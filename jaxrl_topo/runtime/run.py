@@ -28,6 +28,8 @@ from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
 from jaxrl_topo.runtime.metrics import MetricsWriter
+from jaxrl_topo.topology import hostcomm
+from jaxrl_topo.topology.carve import carve
 
 
 def _kill_point(name: str, step: int, before: Callable[[], None] | None = None) -> None:
@@ -43,13 +45,20 @@ def _kill_point(name: str, step: int, before: Callable[[], None] | None = None) 
 def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary."""
   t0 = time.perf_counter()
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints)
-  latest = ckpt.latest_step()
+  # Only the processes holding trainer devices hold (and save) the train state; the others learn the
+  # checkpoint's step and meta from the lowest of them, and keep their shard-less state arrays.
+  holders = frozenset(d.process_index for d in carve(cfg.topology).trainer.devices.flat)
+  ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints, processes=holders)
+          if jax.process_index() in holders else None)
+  latest = hostcomm.broadcast(ckpt.latest_step() if ckpt else None, src=min(holders))
   exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
   start, before = 0, None
   try:
     if latest is not None:
-      exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
+      meta = None
+      if ckpt is not None:
+        exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
+      meta = hostcomm.broadcast(meta, src=min(holders))
       start, before = meta["step"], meta.get("accuracy_before")
       exp.prompts.set_state(meta["data_state"])
       if start > 0:
@@ -75,7 +84,8 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
         json.dump(summary, f, indent=2)
     return summary
   finally:
-    ckpt.close()
+    if ckpt is not None:
+      ckpt.close()
     exp.close()
 
 
@@ -83,13 +93,15 @@ def _main() -> bool:
   return jax.process_index() == 0
 
 
-def _save(ckpt: Checkpointer, cfg: RunConfig, exp, step: int, data_state, before) -> None:
+def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state, before) -> None:
+  if ckpt is None:  # this process holds no part of the train state
+    return
   meta = {"step": step, "gen_id": step, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
           "accuracy_before": before, "in_flight": "dropped: regenerated from the saved data state on resume"}
   ckpt.save(step, exp.state, meta)
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter | None, before: float, workdir: str,
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: float, workdir: str,
            start: int = 0):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
   every = cfg.run.eval_every
@@ -107,7 +119,8 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter | None
 
   def on_step(step: int, m: dict) -> None:
     lags = m.pop("_lags", None)
-    total = sum(v for k, v in m.items() if k in ("time/rollout_total_s", "time/train_s", "time/sync_s"))
+    total = sum(v for k, v in m.items() if k in ("time/rollout_total_s", "time/logprobs_s", "time/train_s",
+                                                     "time/sync_s"))
     if total:
       m["perf/tokens_per_s"] = m.get("perf/tokens", 0) / total
       m["time/step_s"] = total
@@ -117,7 +130,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer, writer: MetricsWriter | None
         writer.log_histogram(step, "staleness", lags.tolist())
 
   def on_produced(step: int) -> None:
-    _kill_point("rollout", step, ckpt.wait)  # the middle of a step: rolled out, not yet trained
+    _kill_point("rollout", step, ckpt.wait if ckpt else None)  # the middle of a step: rolled out, not yet trained
     if step == cfg.run.profile_step:  # trace from this batch's rollout end to its weights landing
       jax.profiler.start_trace(os.path.join(workdir, "profile"))
 
@@ -181,7 +194,6 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   import shutil
 
   from jaxrl_topo.models import hf_io
-  from jaxrl_topo.topology.carve import carve
   from jaxrl_topo.topology.rules import TRAIN_RULES
   from jaxrl_topo.train.optim import make_optimizer
   from jaxrl_topo.train.state import create_train_state

@@ -30,6 +30,10 @@ class TrainBatch:
   rewards_MB: np.ndarray  # float32 outcome reward per sequence
   sampler_logp_MBT: np.ndarray  # float32 log-probs the rollout sampled with (mu)
   old_logp_MBT: np.ndarray | None = None  # proximal/old policy; None = on-policy (this step's params)
+  # Filled by the "logprobs" phase (train/step.py make_logprobs_fn) when it runs as its own program;
+  # None: the train step computes what its loss needs itself.
+  ref_logp_MBT: np.ndarray | None = None  # float32 reference-policy log-probs (KL)
+  old_values_MBT: np.ndarray | None = None  # float32 critic values before the update (GAE, value clip)
 
   @property
   def n_micro(self) -> int:

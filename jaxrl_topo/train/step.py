@@ -1,7 +1,9 @@
 """The pure, sharded RL train step: `new_state, metrics = step(state, batch)`.
 
 One step on a TrainBatch of M microbatches:
-  1. (no grad) reference log-probs and old values, one microbatch at a time;
+  1. (no grad) reference log-probs and old values, one microbatch at a time, unless the batch
+     already carries them (`make_logprobs_fn`: the same pass as its own program, so a controller
+     can time the "logprobs" phase on its own);
   2. advantages over the GLOBAL batch (group statistics, whitening, GAE);
   3. `lax.scan` over microbatches accumulating gradients of the loss, each microbatch's loss
      already divided by the global normalisers, so the sum IS the full-batch loss: results do
@@ -63,6 +65,13 @@ def _policy(state: TrainState, trainable: dict, cfg: TrainConfig):
   return merge_lora(state.frozen, trainable["policy"], cfg.lora) if cfg.lora.enabled else trainable["policy"]
 
 
+_PRE_FIELDS = {"ref_logp": "ref_logp_MBT", "old_values": "old_values_MBT"}
+
+
+def _pre_needed(lc: LossConfig) -> set[str]:
+  return ({"ref_logp"} if lc.needs_ref else set()) | ({"old_values"} if lc.critic != "none" else set())
+
+
 def _prepass(state: TrainState, micro: dict, fns: PolicyFns, cfg: TrainConfig) -> dict:
   """Reference log-probs and old values for every microbatch, without gradients."""
   lc = cfg.loss
@@ -79,9 +88,18 @@ def _prepass(state: TrainState, micro: dict, fns: PolicyFns, cfg: TrainConfig) -
       out["old_values"] = _values(fns, state.params, mb, h_BTD)
     return out
 
-  if not (lc.needs_ref or lc.critic != "none"):
+  if not _pre_needed(lc):
     return {}
   return jax.lax.stop_gradient(jax.lax.map(one, micro))
+
+
+def _pre(state: TrainState, batch: TrainBatch, micro: dict, fns: PolicyFns, cfg: TrainConfig) -> dict:
+  """What the loss needs from before the update: taken from the batch if the logprobs phase filled it."""
+  need = _pre_needed(cfg.loss)
+  given = {k: getattr(batch, f) for k, f in _PRE_FIELDS.items() if getattr(batch, f) is not None}
+  if need <= given.keys():
+    return {k: jax.lax.stop_gradient(given[k]) for k in need}
+  return _prepass(state, micro, fns, cfg)
 
 
 def _advantages(batch: TrainBatch, pre: dict, lc: LossConfig):
@@ -174,7 +192,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
   micro = _micro(batch)
   M, B, T = batch.mask_MBT.shape
   norm = normalizers(batch.mask_MBT.reshape(M * B, T))
-  pre = _prepass(state, micro, fns, cfg)
+  pre = _pre(state, batch, micro, fns, cfg)
   adv_MBT, returns_MBT = _advantages(batch, pre, lc)
   extras = {"adv": adv_MBT, **pre}
   if returns_MBT is not None:
@@ -236,6 +254,23 @@ def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransfor
   step = functools.partial(train_step, fns=fns, cfg=cfg, tx=tx)
   return jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),
                  donate_argnums=0)
+
+
+def make_logprobs_fn(fns: PolicyFns, cfg: TrainConfig, state: TrainState, *, mesh=None, rules=None):
+  """The "logprobs" phase as its own jitted program: (state, batch) -> {"ref_logp", "old_values"}
+  (the [M, B, T] arrays the loss needs; put them in the batch as ref_logp_MBT / old_values_MBT).
+  None when the loss needs neither. The state is read, not donated: the train step follows."""
+  if not _pre_needed(cfg.loss):
+    return None
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  batch_sharding = batch_sharding_for(mesh, rules) if mesh is not None else None
+  return jax.jit(lambda st, batch: _prepass(st, _micro(batch), fns, cfg), in_shardings=(shardings, batch_sharding),
+                 out_shardings=batch_sharding)
+
+
+def with_logprobs(batch: TrainBatch, pre: dict) -> TrainBatch:
+  """`batch` carrying the logprobs phase's output."""
+  return batch.replace(**{f: pre[k] for k, f in _PRE_FIELDS.items() if k in pre})
 
 
 def check_batch(batch: TrainBatch, mesh, rules, group_size: int) -> None:
