@@ -35,11 +35,14 @@ demo: $(VENV)/.core
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 
+# Two xdist workers: much of the suite is single-threaded XLA compilation, so the second core is
+# otherwise idle; tests/conftest.py groups tests that share module fixtures onto one worker.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 test-fast: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -10,14 +10,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
-# Many tests build a fresh jit of the same program (a train step per experiment); a session-wide
-# persistent compilation cache turns those recompilations into disk hits. Fresh per session.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")  # fp32 parity tests mean fp32
 
 
 def pytest_configure(config):
+  # Many tests build a fresh jit of the same program (a train step per experiment); a session-wide
+  # persistent compilation cache turns those recompilations into disk hits. Fresh per session, and
+  # shared by the session's xdist workers (`make test` runs two).
+  run = getattr(config, "workerinput", {}).get("testrunuid")
+  cache = (os.path.join(tempfile.gettempdir(), f"jaxrl_test_xla_cache_{run}") if run
+           else tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
+  os.makedirs(cache, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", cache)
   assert jax.device_count() == 8, f"conftest wants 8 fake CPU devices, got {jax.devices()}"
+
+
+# `make test` runs two xdist workers with --dist loadgroup. Whole files stay on one worker (their
+# module fixtures and cached compiles are built once), except the two heaviest files, split so
+# the workers finish together: test_multiprocess per test, test_rl_loop per shared fixture.
+_SPLIT_BY_FIXTURE = {"test_rl_loop.py": ("launched", "mode_runs")}
+_SPLIT_PER_TEST = ("test_multiprocess.py",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    name = item.path.name
+    if name in _SPLIT_PER_TEST:
+      continue
+    if name in _SPLIT_BY_FIXTURE:
+      shared = [f for f in _SPLIT_BY_FIXTURE[name] if f in item.fixturenames]
+      if shared:
+        item.add_marker(pytest.mark.xdist_group(f"{name}:{shared[0]}"))
+      continue
+    item.add_marker(pytest.mark.xdist_group(name))

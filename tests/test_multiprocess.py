@@ -80,13 +80,16 @@ def _rl_launch(workdir, capfd) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path, capfd):
+def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path, capfd, monkeypatch):
   """Async RL with the trainer on process 0's devices and the rollout on process 1's: every rollout
   token and reward equals the same run in one process; rollout overlaps training; the checkpoint
   (held by process 0 alone) restores on both processes."""
   from jaxrl_topo.runtime import run as run_lib
   from jaxrl_topo.runtime.metrics import read_metrics
 
+  for k, v in {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}.items():
+    monkeypatch.setenv(k, v)  # the launches' processes share their compiles (the relaunch reuses them)
   rc, out = _rl_launch(tmp_path / "mp", capfd)
   assert rc == 0, f"a process failed (rc={rc}):\n{out[-5000:]}"
   ref = _one_process_run(tmp_path / "sp")
