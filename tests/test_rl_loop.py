@@ -296,3 +296,17 @@ def test_a_reward_model_on_its_own_devices_adds_its_score(tmp_path):
   finally:
     exp.close()
   assert {tuple(s["devices"]) for s in spans if s["phase"] == "reward"} == {(4, 5)}
+
+
+def test_model_as_the_main_reward_is_validated_before_anything_runs(tmp_path):
+  from jaxrl_topo.runtime import experiment
+  from jaxrl_topo.runtime.config import RewardSpec
+
+  with pytest.raises(ValueError, match="needs reward.model_dir"):
+    RewardSpec(fn="model")
+  spec = RewardSpec(fn="model", model_dir="/rm", extra={"format": 0.1})
+  assert spec.fns == (("format", 0.1),), "the model is scored on devices, not in the worker pool"
+  c = load_config("grpo_task", "tiny", **{"reward.fn": "model", "reward.model_dir": str(tmp_path / "rm")})
+  with pytest.raises(ValueError, match="sft_target_accuracy"):  # the demo's warm-up stops on a verifier
+    experiment.build(from_config_dict(c), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run"), "the config error must come before anything is written"

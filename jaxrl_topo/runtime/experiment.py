@@ -71,10 +71,6 @@ class Experiment:
   def close(self) -> None:
     self.rewards.close()
 
-  @property
-  def reward_devices(self) -> list[int]:
-    return [] if self.reward_model is None else sorted(int(d.id) for d in self.reward_model.mesh.devices.flat)
-
 
 def model_dir_for(cfg: RunConfig, workdir: str) -> str:
   """The HF directory the policy starts from: `model.hf_dir`, or a preset written once to the workdir."""

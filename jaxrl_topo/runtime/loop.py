@@ -93,14 +93,16 @@ def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
   return [exp.tokenizer.decode(s.tokens) for s in samples]
 
 
-def _score_texts(exp: Experiment, meta: list[dict], samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, dict]:
+def _score_texts(exp: Experiment, meta: list[dict], samples: list[Sample], *,
+                 main_only: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
   """(weighted total, the main reward's scores, info) of one sample per `meta` entry: the reward
-  functions in the worker pool, plus the reward model (on its devices) when there is one."""
+  functions in the worker pool, plus the reward model (on its devices) when there is one.
+  `main_only` (evaluation): the model is only run when it is the main reward."""
   rc = exp.cfg.reward
   result = exp.rewards.score([m["prompt"] for m in meta], _texts(exp, samples), meta)
   total, per_fn = result.total_N.astype(np.float32).copy(), dict(result.per_fn)
   info = {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
-  if exp.reward_model is not None:
+  if exp.reward_model is not None and (rc.fn == MODEL_REWARD or not main_only):
     model_N = exp.reward_model.score([list(m["prompt_ids"]) + list(s.tokens) for m, s in zip(meta, samples,
                                                                                            strict=True)])
     per_fn[MODEL_REWARD] = model_N
@@ -142,7 +144,8 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
     rewards, main, rinfo = score(exp, examples, samples)
     t2 = time.perf_counter()
     info["time/reward_s"] += t2 - t1
-    on_span(span("reward", "reward", exp.reward_devices, step, gen_id, t1, t2))
+    reward_devices = _devices(exp.reward_model.mesh) if exp.reward_model is not None else []
+    on_span(span("reward", "reward", reward_devices, step, gen_id, t1, t2))
     info.update(rinfo)
     for g, ex in enumerate(examples):
       group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
@@ -210,7 +213,7 @@ def evaluate(exp: Experiment, tag: int = 0) -> float:
   reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
   samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None)
-  return float(np.mean(_score_texts(exp, exp.heldout, samples)[1]))
+  return float(np.mean(_score_texts(exp, exp.heldout, samples, main_only=True)[1]))
 
 
 # ---------------------------------------------------------------- the loop
