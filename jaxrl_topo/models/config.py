@@ -50,6 +50,10 @@ class ModelConfig:
   max_position: int = 4096  # longest sequence the model was trained for (recorded, not enforced)
   dtype: str = "bfloat16"  # compute dtype of matmuls; norms, softmax and logits are always fp32
   param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights for training)
+  # How training attends (models/attention.py): "flash" (blockwise, O(T) memory), "reference" (dense
+  # masked softmax), "xla" or "cudnn" (jax.nn.dot_product_attention). Not architecture: never in config.json.
+  attention: str = "flash"
+  attn_block: int = 128  # flash: tokens per query/key tile
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -65,6 +69,10 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {DTYPES}")
+    if self.attention not in ("flash", "reference", "xla", "cudnn"):
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; expected flash, reference, xla or cudnn")
+    if self.attn_block < 1:
+      raise ValueError(f"ModelConfig.attn_block={self.attn_block} must be positive")
     if self.family == "qwen2" and self.o_bias:
       raise ValueError("qwen2 has bias on q/k/v only; o_bias=True is not a Qwen2 model")
 

@@ -46,7 +46,7 @@ def nest(flat) -> Params:
   return out
 
 
-def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None, remat: bool = False):
+def abstract_model(cfg: ModelConfig, sharding: ActivationSharding | None = None, remat: str | bool = "none"):
   """(graphdef, AbstractParams) without allocating anything."""
   model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), sharding, remat))
   graphdef, state = nnx.split(model, nnx.Param)

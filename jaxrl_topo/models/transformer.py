@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_topo.models import layers
+from jaxrl_topo.models import attention, layers
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.topology.rules import ActivationSharding, constrain
 
@@ -67,8 +67,9 @@ class Attention(nnx.Module):
                              bias_dims=1 if cfg.o_bias else 0)
     self.q_norm = RMSNorm(H, "head_dim", cfg.rms_eps, p) if cfg.qk_norm else None
     self.k_norm = RMSNorm(H, "head_dim", cfg.rms_eps, p) if cfg.qk_norm else None
+    self.impl, self.block = cfg.attention, cfg.attn_block
 
-  def __call__(self, x_BTD, rope, mask_BTS, positions_BT, cache, layer: int, sharding):
+  def __call__(self, x_BTD, rope, seg_BT, positions_BT, cache, layer: int, sharding):
     q_BTNH = constrain(self.q_proj(x_BTD), ("batch", "length", "heads", "head_dim"), sharding)
     k_BTKH = constrain(self.k_proj(x_BTD), ("batch", "length", "kv_heads", "head_dim"), sharding)
     v_BTKH = constrain(self.v_proj(x_BTD), ("batch", "length", "kv_heads", "head_dim"), sharding)
@@ -76,7 +77,7 @@ class Attention(nnx.Module):
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     q_BTNH, k_BTKH = layers.apply_rope(q_BTNH, *rope), layers.apply_rope(k_BTKH, *rope)
     if cache is None:
-      out_BTNH = layers.gqa_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+      out_BTNH = attention.attention(q_BTNH, k_BTKH, v_BTKH, seg_BT, impl=self.impl, block=self.block)
     else:
       out_BTNH, cache = cache.attend(layer, q_BTNH, k_BTKH, v_BTKH, positions_BT)
     return self.o_proj(out_BTNH), cache
@@ -103,23 +104,45 @@ class Block(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.d_model, "embed", cfg.rms_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, rope, mask_BTS, positions_BT, cache, layer: int, sharding):
-    attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), rope, mask_BTS, positions_BT, cache, layer,
+  def __call__(self, x_BTD, rope, seg_BT, positions_BT, cache, layer: int, sharding):
+    attn_BTD, cache = self.self_attn(self.input_layernorm(x_BTD), rope, seg_BT, positions_BT, cache, layer,
                                      sharding)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), sharding)
     return constrain(x_BTD, ("batch", "length", "embed"), sharding), cache
 
 
+REMAT = ("none", "block")  # or the name of a jax.checkpoint_policies policy, e.g. "dots_saveable"
+
+
+def remat_policy(remat: str | bool):
+  """None (no remat), or the checkpoint policy of each block: "block" saves only the block's input
+  and recomputes everything inside it; a jax.checkpoint_policies name saves what that policy keeps."""
+  name = ("block" if remat else "none") if isinstance(remat, bool) else remat
+  if name == "none":
+    return None
+  if name == "block":
+    return jax.checkpoint_policies.nothing_saveable
+  policy = getattr(jax.checkpoint_policies, name, None)
+  if policy is None or not callable(policy) or name.startswith("_"):
+    names = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+    raise ValueError(f"remat={name!r}; expected 'none', 'block' or a jax.checkpoint_policies name: {names}")
+  if name.startswith(("save_", "offload_")) or name in ("save_only_these_names", "save_any_names_but_these"):
+    raise ValueError(f"remat={name!r} is a policy factory that needs arguments; name a ready policy instead")
+  return policy
+
+
 class Transformer(nnx.Module):
   """`logits_BTV, cache = model(tokens_BT, positions_BT, segment_ids_BT, cache)`; logits are fp32.
 
-  remat=True rematerialises each block in the backward pass (training only; ignored with a cache).
+  remat ("none" | "block" | a jax.checkpoint_policies name; True = "block") rematerialises each block
+  in the backward pass (training only; ignored with a cache).
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sharding: ActivationSharding | None = None,
-               remat: bool = False):
-    self.cfg, self.sharding, self.remat = cfg, sharding, remat
+               remat: str | bool = "none"):
+    self.cfg, self.sharding = cfg, sharding
+    self.remat = remat_policy(remat)  # validated here, before anything is traced
     p = cfg.param_dtype
     self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), p)
     self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
@@ -133,16 +156,15 @@ class Transformer(nnx.Module):
     x_BTD = jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(cfg.dtype)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"), sharding)
     rope = layers.rope_angles(positions_BT, cfg)
-    mask_BTS = None
-    if cache is None:
+    seg_BT = None
+    if cache is None:  # training: causal within each packed segment (models/attention.py)
       seg_BT = jnp.zeros_like(tokens_BT) if segment_ids_BT is None else segment_ids_BT
-      mask_BTS = layers.causal_segment_mask(seg_BT)
     for i, block in enumerate(self.layers):
-      if self.remat and cache is None:  # training: keep only each block's input, recompute inside it
-        x_BTD = nnx.remat(lambda b, x, r, m, p, i=i: b(x, r, m, p, None, i, sharding)[0])(
-            block, x_BTD, rope, mask_BTS, positions_BT)
+      if self.remat is not None and cache is None:  # keep what the policy saves, recompute the rest
+        x_BTD = nnx.remat(lambda b, x, r, s, p, i=i: b(x, r, s, p, None, i, sharding)[0], policy=self.remat)(
+            block, x_BTD, rope, seg_BT, positions_BT)
       else:
-        x_BTD, cache = block(x_BTD, rope, mask_BTS, positions_BT, cache, i, sharding)
+        x_BTD, cache = block(x_BTD, rope, seg_BT, positions_BT, cache, i, sharding)
     return self.norm(x_BTD), cache
 
   def unembed_DV(self):
