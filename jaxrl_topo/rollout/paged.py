@@ -95,34 +95,36 @@ class PagedKVCache:
   def attend(self, layer: int, q_BTNH, k_BTKH, v_BTKH, positions_BT):
     """Stores this layer's new keys/values at `positions_BT`, then attends over s <= position."""
     new = self.write(layer, k_BTKH, v_BTKH, positions_BT)
-    k_PSKH, v_PSKH = new.k_LPSKH[layer], new.v_LPSKH[layer]
+    # The reads index (layer, page) in one gather on the whole pool: slicing `k_LPSKH[layer]` first
+    # would copy the layer's entire pool every step (inside a loop XLA cannot fuse the slice away).
     if self.impl == "fast" and q_BTNH.shape[1] == 1:
-      out_BNH = _decode_blocks(q_BTNH[:, 0], k_PSKH, v_PSKH, self.table_BM, positions_BT[:, 0], self.page_size,
-                               self.block_tokens)
+      out_BNH = _decode_blocks(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],
+                               self.page_size, self.block_tokens)
       return out_BNH[:, None], new
-    return _reference(q_BTNH, k_PSKH, v_PSKH, self.table_BM, positions_BT, self.page_size), new
+    return _reference(q_BTNH, new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT, self.page_size), new
 
 
-def _reference(q_BTNH, k_PSKH, v_PSKH, table_BM, positions_BT, page_size: int):
-  """Gathers every row's M pages into a dense cache and runs layers.gqa_attention."""
+def _reference(q_BTNH, k_LPSKH, v_LPSKH, layer: int, table_BM, positions_BT, page_size: int):
+  """Gathers every row's M pages of `layer` into a dense cache and runs layers.gqa_attention."""
   B, M = table_BM.shape
-  _, S, K, H = k_PSKH.shape
+  _, _, S, K, H = k_LPSKH.shape
   pages_BM = jnp.maximum(table_BM, 0)  # unassigned pages are read (page 0) but masked below
-  k_BSKH = k_PSKH[pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
-  v_BSKH = v_PSKH[pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
+  k_BSKH = k_LPSKH[layer, pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
+  v_BSKH = v_LPSKH[layer, pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
   assigned_BS = jnp.repeat(table_BM >= 0, page_size, axis=1)
   mask_BTS = (jnp.arange(M * S)[None, None, :] <= positions_BT[:, :, None]) & assigned_BS[:, None, :]
   return gqa_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
 
-def _decode_blocks(q_BNH, k_PSKH, v_PSKH, table_BM, pos_B, page_size: int, block_tokens: int):
+def _decode_blocks(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_size: int, block_tokens: int):
   """One query per row; online softmax over blocks of C pages, only as many blocks as the longest row.
+  A row with pos < 0 (an idle decode slot) reads nothing and adds no trips.
 
   m = running max logit, l = running sum of exp(logit - m), acc = running sum of exp(logit - m) v;
   a new block rescales (l, acc) by exp(m_old - m_new). out = acc / l (0 for a row with no keys).
   """
   B, N, H = q_BNH.shape
-  _, S, K, _ = k_PSKH.shape
+  _, _, S, K, _ = k_LPSKH.shape
   M = table_BM.shape[1]
   C = max(1, min(M, block_tokens // S))
   n_blocks = -(-M // C)
@@ -134,8 +136,8 @@ def _decode_blocks(q_BNH, k_PSKH, v_PSKH, table_BM, pos_B, page_size: int, block
   def block(j, carry):
     m_BKG, l_BKG, acc_BKGH = carry
     pages_BC = jax.lax.dynamic_slice_in_dim(table_BM, j * C, C, axis=1)
-    k_BWKH = k_PSKH[jnp.maximum(pages_BC, 0)].reshape(B, C * S, K, H).astype(q_BNH.dtype)
-    v_BWKH = v_PSKH[jnp.maximum(pages_BC, 0)].reshape(B, C * S, K, H).astype(q_BNH.dtype)
+    k_BWKH = k_LPSKH[layer, jnp.maximum(pages_BC, 0)].reshape(B, C * S, K, H).astype(q_BNH.dtype)
+    v_BWKH = v_LPSKH[layer, jnp.maximum(pages_BC, 0)].reshape(B, C * S, K, H).astype(q_BNH.dtype)
     s_W = j * C * S + jnp.arange(C * S)
     mask_BW = (s_W[None, :] <= pos_B[:, None]) & jnp.repeat(pages_BC >= 0, S, axis=1)
     logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
