@@ -9,6 +9,7 @@ The ConfigDict of `configs/<name>.py` has one section per dataclass below:
   rl        LossConfig         the objective (train/config.py); rl.group_size is the rollout's too
   optim     OptimConfig        AdamW and its schedule
   lora      LoraConfig
+  train     TrainSpec          packing, remat, where the log-prob pre-pass runs
   topology  TopologyConfig     the mode and each side's mesh axes (topology/carve.py)
   run       RunSpec            steps, evaluation, checkpoints, staleness bound, logging
 
@@ -40,12 +41,56 @@ class ModelSpec:
   dtype: str = "float32"  # compute dtype; params stay fp32 for training
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields over the preset
   init_seed: int = 0
+  attention: str = "flash"  # training attention (models/attention.py): flash | reference | xla | cudnn
+  attn_block: int = 128  # flash: tokens per tile
+  # jax.default_matmul_precision for every program of the run (train, logprobs, rollout): "default" keeps
+  # the backend's (TF32 for fp32 matmuls on recent NVIDIA GPUs, full fp32 on CPU); "highest" = full fp32
+  # everywhere (the tests); "high" = bf16_3x. The sampler-vs-trainer log-prob gap is logged every step.
+  matmul_precision: str = "default"
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"model.dtype={self.dtype!r}; expected 'float32' or 'bfloat16'")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"model.attention={self.attention!r}; expected one of {ATTENTION}")
+    if self.matmul_precision not in PRECISIONS:
+      raise ValueError(f"model.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+    if self.attn_block < 8:
+      raise ValueError(f"model.attn_block={self.attn_block} must be >= 8")
     if self.hf_dir is not None and self.overrides:
       raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
+
+
+ATTENTION = ("flash", "reference", "xla", "cudnn")
+PRECISIONS = ("default", "high", "highest")
+LOGPROBS = ("fused", "separate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+  """How the train step is laid out in memory (the objective is `rl`, the optimizer `optim`)."""
+
+  # Token budget of a packed row: completions are packed first-fit-decreasing into rows of this many
+  # tokens (segment ids, positions restarting per completion); 0 = one completion per row, padded to
+  # data.max_prompt_len + rollout.max_new_tokens. The row count per microbatch is the smallest multiple of
+  # the data-parallel width that holds the batch, so each distinct count compiles once.
+  max_tokens_per_row: int = 0
+  remat: str = "none"  # none | block (recompute each block) | a jax.checkpoint_policies name (dots_saveable...)
+  # fused: reference log-probs / old values inside the train step's program (one program reads the weights);
+  # separate: their own program first (a "logprobs" span of its own in the timeline).
+  logprobs: str = "fused"
+
+  def __post_init__(self):
+    from jaxrl_topo.models.transformer import remat_policy
+
+    if self.max_tokens_per_row < 0:
+      raise ValueError(f"train.max_tokens_per_row={self.max_tokens_per_row} must be >= 0 (0: no packing)")
+    if self.logprobs not in LOGPROBS:
+      raise ValueError(f"train.logprobs={self.logprobs!r}; expected one of {LOGPROBS}")
+    try:
+      remat_policy(self.remat)
+    except ValueError as e:
+      raise ValueError(f"train.{e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,6 +204,7 @@ class RunConfig:
   lora: LoraConfig
   topology: TopologyConfig
   run: RunSpec
+  train: TrainSpec = TrainSpec()
 
   def __post_init__(self):
     mode = self.topology.mode
@@ -171,9 +217,16 @@ class RunConfig:
                        f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
     if self.reward.dynamic_sampling and self.rl.group_size < 2:
       raise ValueError("reward.dynamic_sampling drops groups without reward variance: rl.group_size must be >= 2")
+    budget, row = self.train.max_tokens_per_row, self.data.max_prompt_len + self.rollout.max_new_tokens
+    if budget and budget < row:
+      raise ValueError(f"train.max_tokens_per_row={budget} < data.max_prompt_len + rollout.max_new_tokens = {row}: "
+                       "the longest completion would not fit a row")
+    if budget and self.model.attention == "cudnn":
+      raise ValueError("model.attention='cudnn' takes no segment mask: packed rows (train.max_tokens_per_row > 0) "
+                       "need 'flash' or 'xla'")
 
   @property
-  def train(self) -> TrainConfig:
+  def train_config(self) -> TrainConfig:
     return TrainConfig(loss=self.rl, optim=self.optim, lora=self.lora, seed=self.run.seed)
 
 
@@ -254,7 +307,7 @@ def build_dataclass(cls, value: Any, where: str):
 
 
 _SECTIONS = {"model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec, "reward": RewardSpec,
-             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec}
+             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec, "train": TrainSpec}
 
 
 def from_config_dict(config: Any) -> RunConfig:
@@ -325,6 +378,7 @@ def base_config_dict():
   c.rl = _defaults(LossConfig, group_size=8)
   c.optim = _defaults(OptimConfig)
   c.lora = _defaults(LoraConfig)
+  c.train = _defaults(TrainSpec)
   # Every axis is listed (size 1 = unused) so `--config.topology.rollout.tensor=2` is a valid override.
   c.topology = dict(mode="colocated", trainer={"data": 1, "fsdp": 1, "tensor": 1}, rollout={"data": 1, "tensor": 1},
                     reward_devices=0)

@@ -34,7 +34,7 @@ from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import MODEL_REWARD, RunConfig
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
 from jaxrl_topo.topology.hostcomm import to_host
-from jaxrl_topo.topology.rules import TRAIN_RULES
+from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding
 from jaxrl_topo.topology.transfer import TransferPlan
 from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.lora import merge_lora
@@ -42,7 +42,7 @@ from jaxrl_topo.train.optim import make_optimizer
 from jaxrl_topo.train.policy import PolicyFns, model_fns
 from jaxrl_topo.train.sft import make_sft_step
 from jaxrl_topo.train.state import TrainState, create_train_state
-from jaxrl_topo.train.step import make_logprobs_fn, make_train_step
+from jaxrl_topo.train.step import batch_axes, make_logprobs_fn, make_train_step
 
 
 @dataclasses.dataclass
@@ -66,7 +66,8 @@ class Experiment:
   stop_ids: tuple[int, ...]  # rollout.stop entries that are one token: stopped on device
   stop_strings: tuple[str, ...]  # the others: matched on the decoded text after each chunk
   resp_len: int
-  row_len: int
+  row_len: int  # prompt + response limit: the row length when completions are not packed
+  dp_width: int  # the trainer's data-parallel width: row counts are multiples of it
 
   def close(self) -> None:
     self.rewards.close()
@@ -159,8 +160,12 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)
   tokenizer = Tokenizer.from_dir(model_dir)
-  model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype)
-  graphdef, abstract = abstract_model(model_cfg)
+  model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention,
+                                attn_block=cfg.model.attn_block)
+  graphdef, abstract = abstract_model(model_cfg)  # the rollout's (no trainer constraints, no remat)
+  # The trainer's: activation sharding constraints on its mesh and the configured remat (the graph
+  # tests/test_model.py checks sharded), used by the train step, the logprobs phase and the warm-up.
+  train_graphdef, _ = abstract_model(model_cfg, ActivationSharding(topology.trainer, TRAIN_RULES), cfg.train.remat)
   shardings = check_model_fits(topology, abstract)
   log_sharding_table(abstract, topology)
 
@@ -185,15 +190,16 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
                        error_score=cfg.reward.error_score)
 
   _, _, params = hf_io.load_model(model_dir, topology.trainer, TRAIN_RULES, dtype=cfg.model.dtype)
-  tcfg = cfg.train
+  tcfg = cfg.train_config
   tx = make_optimizer(tcfg.optim)
-  fns = model_fns(graphdef)
+  fns = model_fns(train_graphdef)
   if warmup and cfg.run.sft_steps:
     train_examples = pipeline.load_prompts(cfg.data, tokenizer, "train").examples
     params = warm_up(cfg, graphdef, params, fns, tokenizer, train_examples, row_len=row_len, resp_len=resp_len)
   state = create_train_state(params, tcfg, tx, d_model=model_cfg.d_model)  # donates `params`
   step_fn = make_train_step(fns, tcfg, tx, state, mesh=topology.trainer, rules=TRAIN_RULES)
-  logprobs_fn = make_logprobs_fn(fns, tcfg, state, mesh=topology.trainer, rules=TRAIN_RULES)
+  logprobs_fn = (make_logprobs_fn(fns, tcfg, state, mesh=topology.trainer, rules=TRAIN_RULES)
+                 if cfg.train.logprobs == "separate" else None)  # fused: inside the train step's program
   policy = merge_lora(state.frozen, state.params["policy"], cfg.lora) if cfg.lora.enabled else state.params["policy"]
   # Same layout and dtype on both sides (colocated, fp32) makes the plan zero-copy: the engine then
   # reads the trainer's arrays, which the next train step donates; every sync replaces them.
@@ -211,9 +217,11 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
                          detokenize=detok)
   stop_ids, stop_strings = split_stops(tokenizer, cfg.rollout.stop)
+  dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
   return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
                     topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, plan=plan,
                     engine=engine, rewards=rewards, reward_model=reward_model, prompts=prompts, heldout=heldout,
-                    stop_ids=stop_ids, stop_strings=stop_strings, resp_len=resp_len, row_len=row_len)
+                    stop_ids=stop_ids, stop_strings=stop_strings, resp_len=resp_len, row_len=row_len,
+                    dp_width=dp_width)

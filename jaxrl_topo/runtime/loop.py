@@ -35,7 +35,7 @@ from jaxrl_topo.runtime.experiment import Experiment
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES
-from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch
+from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch, packed_rows
 from jaxrl_topo.train.lora import merge_lora
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
@@ -166,16 +166,32 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
 # ---------------------------------------------------------------- train side
 
 
-def make_batch(exp: Experiment, traj: Trajectories) -> TrainBatch:
-  G, n_micro = exp.cfg.rl.group_size, exp.cfg.run.n_micro
+def make_batch(exp: Experiment, traj: Trajectories, version: int | None = None) -> tuple[TrainBatch, dict]:
+  """(the step's TrainBatch, layout metrics). Packed into rows of `train.max_tokens_per_row` tokens when set,
+  else one completion per row. `version`: the weights the step starts from; tokens sampled under them
+  are marked `onpolicy_MBT` (the sampler-vs-trainer log-prob gap is measured on those)."""
+  cfg = exp.cfg
+  G, n_micro, budget = cfg.rl.group_size, cfg.run.n_micro, cfg.train.max_tokens_per_row
   comps = [Completion(traj.examples[i // G]["prompt_ids"], s.tokens, float(r), s.logprobs)
            for i, (s, r) in enumerate(zip(traj.samples, traj.rewards_N, strict=True))]
-  batch = build_batch(comps, n_micro=n_micro, rows=len(comps) // n_micro, row_len=exp.row_len, resp_len=exp.resp_len,
-                      pack=False)
-  if exp.cfg.reward.overlong_filter:  # DAPO: completions cut by the length limit carry no loss
+  if budget:
+    row_len = budget
+    rows = packed_rows([len(c.prompt) + len(c.response) for c in comps], n_micro, budget, multiple=exp.dp_width)
+  else:
+    row_len, rows = exp.row_len, len(comps) // n_micro
+  batch = build_batch(comps, n_micro=n_micro, rows=rows, row_len=row_len, resp_len=exp.resp_len, pack=bool(budget))
+  if cfg.reward.overlong_filter:  # DAPO: completions cut by the length limit carry no loss
     cut = np.array([s.finish_reason == "length" for s in traj.samples]).reshape(batch.mask_MBT.shape[:2])
     batch.mask_MBT[cut] = 0.0
-  return batch
+  if version is not None:
+    fresh = np.zeros_like(batch.mask_MBT)
+    for i, s in enumerate(traj.samples):
+      fresh.reshape(-1, fresh.shape[-1])[i, : len(s.gen_ids)] = np.asarray(s.gen_ids) == version
+    batch = batch.replace(onpolicy_MBT=fresh * batch.mask_MBT)
+  real = sum(len(c.prompt) + len(c.response) for c in comps)
+  layout = {"train/rows": int(batch.tokens_MRS.shape[0] * batch.tokens_MRS.shape[1]), "train/row_len": row_len,
+            "train/pad_frac": 1.0 - real / batch.tokens_MRS.size}
+  return batch, layout
 
 
 def policy_params(exp: Experiment, state):
@@ -261,7 +277,8 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
 
   def dispatch(traj: Trajectories) -> _InFlight:
     nonlocal checked
-    batch = make_batch(exp, traj)
+    batch, layout = make_batch(exp, traj, version)
+    traj.info.update(layout)
     if not checked:
       check_batch(batch, exp.topology.trainer, TRAIN_RULES, cfg.rl.group_size)
       checked = True

@@ -44,6 +44,13 @@ def _kill_point(name: str, step: int, before: Callable[[], None] | None = None) 
 
 def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary."""
+  if cfg.model.matmul_precision == "default":
+    return _train(cfg, workdir, progress=progress)
+  with jax.default_matmul_precision(cfg.model.matmul_precision):  # every program the run traces
+    return _train(cfg, workdir, progress=progress)
+
+
+def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
   # Only the processes holding trainer devices hold (and save) the train state; the others learn the
   # checkpoint's step and meta from the lowest of them, and keep their shard-less state arrays.
@@ -202,7 +209,7 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   model_dir = experiment_lib.model_dir_for(cfg, workdir)
   trainer = carve(cfg.topology).trainer
   model_cfg, _, params = hf_io.load_model(model_dir, trainer, TRAIN_RULES, dtype=cfg.model.dtype)
-  state = create_train_state(params, cfg.train, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
+  state = create_train_state(params, cfg.train_config, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
   with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
     step = ckpt.latest_step() if step is None else step
     if step is None:

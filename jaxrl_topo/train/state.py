@@ -76,6 +76,17 @@ def state_shardings(abstract: TrainState, policy_shardings, tx, mesh, *, lora: b
                     ref=like_policy(abstract.ref), rejected=replicated)
 
 
+def abstract_train_state(policy, cfg: TrainConfig, tx: optax.GradientTransformation, *,
+                         d_model: int | None = None) -> TrainState:
+  """The state create_train_state would build from `policy` (arrays or ShapeDtypeStructs with NamedShardings),
+  as ShapeDtypeStructs carrying their shardings: for ahead-of-time compilation, nothing allocated."""
+  key = jax.random.fold_in(jax.random.key(cfg.seed), _LORA_TAG)
+  abstract = jax.eval_shape(jax.tree_util.Partial(_init, cfg=cfg, tx=tx, d_model=d_model), policy, key)
+  shardings = state_shardings(abstract, jax.tree.map(lambda x: x.sharding, policy), tx, _mesh_of(policy),
+                              lora=cfg.lora.enabled)
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+
+
 def create_train_state(policy_params, cfg: TrainConfig, tx: optax.GradientTransformation, *,
                        d_model: int | None = None) -> TrainState:
   """Builds the state with jit(out_shardings=...) mirroring `policy_params`' own shardings, so nothing

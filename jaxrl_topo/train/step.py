@@ -185,6 +185,15 @@ def _global_metrics(per_token_MBT: dict, micro: dict, extras: dict, lc: LossConf
   return _token_terms(t["logp"], t["ent"], t.get("values"), micro, extras, lc)[2]
 
 
+def _logprob_gap(logp_MBT, batch: TrainBatch) -> dict:
+  """|trainer - sampler| log-prob of the tokens sampled under this step's starting weights: 0 up to
+  numerics (matmul precision, bf16, kernel differences); what the IS correction sees when nothing is stale."""
+  on = batch.mask_MBT if batch.onpolicy_MBT is None else batch.onpolicy_MBT
+  gap = jnp.abs(logp_MBT - batch.sampler_logp_MBT)
+  return {"logprob_gap/max": jnp.max(jnp.where(on != 0, gap, 0.0)), "logprob_gap/mean": masked_mean(gap, on),
+          "logprob_gap/tokens": jnp.sum(on)}
+
+
 def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: TrainConfig,
                tx: optax.GradientTransformation):
   """(state, batch) -> (state, metrics): see the module docstring."""
@@ -208,6 +217,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
   zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32))
   (grads, loss), per_token_MBT = jax.lax.scan(body, zeros, (micro, extras))
   metrics = _global_metrics(per_token_MBT, micro, extras, lc)
+  metrics.update(_logprob_gap(per_token_MBT["logp"], batch))
 
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
