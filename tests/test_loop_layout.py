@@ -45,9 +45,9 @@ def _cfg(**overrides):
 def built(tmp_path_factory):
   """(padded experiment, packed+remat+separate experiment, one rollout batch of the first)."""
   plain = experiment_lib.build(_cfg(), str(tmp_path_factory.mktemp("plain")), warmup=False)
-  other = experiment_lib.build(_cfg(**{"train.max_tokens_per_row": 64, "train.remat": "block",
-                                       "train.logprobs": "separate"}), str(tmp_path_factory.mktemp("other")),
-                               warmup=False)
+  other_cfg = _cfg(**{"train.max_tokens_per_row": 64, "train.remat": "block", "train.logprobs": "separate",
+                      "run.n_micro": 2})
+  other = experiment_lib.build(other_cfg, str(tmp_path_factory.mktemp("other")), warmup=False)
   traj = loop_lib.rollout(plain, 0)
   yield plain, other, traj
   plain.close()
@@ -70,13 +70,15 @@ def _grad_step(exp, batch, separate: bool = False):
 
 
 def test_packed_loop_batch_trains_like_the_padded_one(built):
-  """Same completions, packed into 64-token rows: fewer rows, the padding reported, the same loss and gradients
-  (and the separate log-prob program gives what the fused step computes itself)."""
+  """Same completions, packed into rows of at most 64 tokens, groups spread over 2 microbatches: fewer rows,
+  the padding reported, the same loss and gradients as one padded microbatch (and the separate log-prob
+  program gives what the fused step computes itself)."""
   plain, other, traj = built
   padded, lay_pad = loop_lib.make_batch(plain, traj, version=0)
   packed, lay_pack = loop_lib.make_batch(other, traj, version=0)
   assert padded.tokens_MRS.shape[1:] == (16, plain.row_len)
-  assert packed.tokens_MRS.shape[2] == 64 and packed.tokens_MRS.shape[1] % other.dp_width == 0
+  assert packed.tokens_MRS.shape[0] == 2 and packed.tokens_MRS.shape[2] <= 64
+  assert packed.tokens_MRS.shape[1] % other.dp_width == 0
   assert lay_pack["train/rows"] < lay_pad["train/rows"], (lay_pack, lay_pad)
   real = sum(len(ex["prompt_ids"]) + len(s.tokens) for ex, s in zip(
       [traj.examples[i // 4] for i in range(len(traj.samples))], traj.samples, strict=True))

@@ -35,7 +35,7 @@ from jaxrl_topo.runtime.experiment import Experiment
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES
-from jaxrl_topo.train.batch import Completion, TrainBatch, build_batch, packed_rows
+from jaxrl_topo.train.batch import Completion, TrainBatch, balance_groups, build_batch, plan_rows
 from jaxrl_topo.train.lora import merge_lora
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
@@ -167,25 +167,31 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
 
 
 def make_batch(exp: Experiment, traj: Trajectories, version: int | None = None) -> tuple[TrainBatch, dict]:
-  """(the step's TrainBatch, layout metrics). Packed into rows of `train.max_tokens_per_row` tokens when set,
-  else one completion per row. `version`: the weights the step starts from; tokens sampled under them
-  are marked `onpolicy_MBT` (the sampler-vs-trainer log-prob gap is measured on those)."""
+  """(the step's TrainBatch, layout metrics). Packed into rows of at most `train.max_tokens_per_row` tokens
+  when set (train/batch.py plan_rows), else one completion per row. `version`: the weights the step
+  starts from; tokens sampled under them are marked `onpolicy_MBT` (the log-prob gap is measured on those)."""
   cfg = exp.cfg
   G, n_micro, budget = cfg.rl.group_size, cfg.run.n_micro, cfg.train.max_tokens_per_row
-  comps = [Completion(traj.examples[i // G]["prompt_ids"], s.tokens, float(r), s.logprobs)
-           for i, (s, r) in enumerate(zip(traj.samples, traj.rewards_N, strict=True))]
+  samples, rewards = traj.samples, traj.rewards_N
+  prompts = [traj.examples[i // G]["prompt_ids"] for i in range(len(samples))]
+  if budget and n_micro > 1:  # even out the microbatches' tokens, so none needs more rows than the others
+    order = [g * G + j for g in balance_groups([sum(len(prompts[g * G]) + len(s.tokens) for s in
+                                                    samples[g * G : (g + 1) * G]) for g in range(len(samples) // G)],
+                                                n_micro) for j in range(G)]
+    samples, rewards, prompts = [samples[i] for i in order], rewards[order], [prompts[i] for i in order]
+  comps = [Completion(p, s.tokens, float(r), s.logprobs) for p, s, r in zip(prompts, samples, rewards, strict=True)]
   if budget:
-    row_len = budget
-    rows = packed_rows([len(c.prompt) + len(c.response) for c in comps], n_micro, budget, multiple=exp.dp_width)
+    rows, row_len = plan_rows([len(c.prompt) + len(c.response) for c in comps], n_micro, budget,
+                              multiple=exp.dp_width)
   else:
     row_len, rows = exp.row_len, len(comps) // n_micro
   batch = build_batch(comps, n_micro=n_micro, rows=rows, row_len=row_len, resp_len=exp.resp_len, pack=bool(budget))
   if cfg.reward.overlong_filter:  # DAPO: completions cut by the length limit carry no loss
-    cut = np.array([s.finish_reason == "length" for s in traj.samples]).reshape(batch.mask_MBT.shape[:2])
+    cut = np.array([s.finish_reason == "length" for s in samples]).reshape(batch.mask_MBT.shape[:2])
     batch.mask_MBT[cut] = 0.0
   if version is not None:
     fresh = np.zeros_like(batch.mask_MBT)
-    for i, s in enumerate(traj.samples):
+    for i, s in enumerate(samples):
       fresh.reshape(-1, fresh.shape[-1])[i, : len(s.gen_ids)] = np.asarray(s.gen_ids) == version
     batch = batch.replace(onpolicy_MBT=fresh * batch.mask_MBT)
   real = sum(len(c.prompt) + len(c.response) for c in comps)

@@ -76,13 +76,41 @@ def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[tuple[int
   return out
 
 
-def packed_rows(lengths: Sequence[int], n_micro: int, row_len: int, multiple: int = 1) -> int:
-  """Rows per microbatch that hold every microbatch's sequences packed (`lengths` group-major, split
-  into `n_micro` equal microbatches), rounded up to a multiple of `multiple` (the data-parallel width)."""
+def balance_groups(group_tokens: Sequence[int], n_micro: int) -> list[int]:
+  """A group order whose `n_micro` consecutive equal slices carry nearly equal tokens (longest group first
+  into the lightest microbatch with room). Whole groups move, so the order stays group-major, and the
+  loss, normalised over the global batch, does not depend on which microbatch holds which group."""
+  per = len(group_tokens) // n_micro
+  load, members = [0] * n_micro, [[] for _ in range(n_micro)]
+  for g in sorted(range(len(group_tokens)), key=lambda g: -group_tokens[g]):
+    m = min((m for m in range(n_micro) if len(members[m]) < per), key=lambda m: load[m])
+    members[m].append(g)
+    load[m] += group_tokens[g]
+  return [g for m in members for g in sorted(m)]
+
+
+def _rows_needed(lengths: Sequence[int], n_micro: int, row_len: int) -> int:
   B = len(lengths) // n_micro
-  need = max(max(r for r, _ in first_fit_decreasing(lengths[m * B : (m + 1) * B], row_len)) + 1
+  return max(max(r for r, _ in first_fit_decreasing(lengths[m * B : (m + 1) * B], row_len)) + 1
              for m in range(n_micro))
-  return -(-need // multiple) * multiple
+
+
+def plan_rows(lengths: Sequence[int], n_micro: int, max_row_len: int, multiple: int = 1,
+              quantum: int = 64) -> tuple[int, int]:
+  """(rows per microbatch, row length) for packing `lengths` (group-major, `n_micro` equal microbatches).
+
+  Rows: the fewest, as a multiple of `multiple` (the data-parallel width), that hold every microbatch in
+  rows of `max_row_len` tokens. Row length: then shrunk to the shortest multiple of `quantum` (at most
+  `max_row_len`) that still holds them in that many rows, so rounding the row count up to the data-parallel
+  width costs little padding. Each distinct (rows, row length) pair compiles the train step once.
+  """
+  rows = -(-_rows_needed(lengths, n_micro, max_row_len) // multiple) * multiple
+  B = len(lengths) // n_micro
+  most = max(sum(lengths[m * B : (m + 1) * B]) for m in range(n_micro))
+  row_len = min(max_row_len, -(-max(max(lengths), -(-most // rows)) // quantum) * quantum)
+  while row_len < max_row_len and _rows_needed(lengths, n_micro, row_len) > rows:
+    row_len = min(max_row_len, row_len + quantum)
+  return rows, row_len
 
 
 def _place_rows(seqs: Sequence[Completion], rows: int, row_len: int, pack: bool) -> list[tuple[int, int]]:
@@ -105,7 +133,7 @@ def _place_rows(seqs: Sequence[Completion], rows: int, row_len: int, pack: bool)
 def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, row_len: int, resp_len: int,
                 pack: bool = True, old_logp: Sequence[Sequence[float]] | None = None) -> TrainBatch:
   """Lays `completions` (group-major) out as M microbatches of `rows` rows; numpy, on the host.
-  Packed: `packed_rows(...)` gives the fewest rows that hold them."""
+  Packed: `plan_rows(...)` gives a row count and length that hold them."""
   n = len(completions)
   if n % n_micro:
     raise ValueError(f"{n} sequences do not split into n_micro={n_micro} equal microbatches")
