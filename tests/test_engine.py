@@ -129,11 +129,15 @@ def test_continuous_batching_matches_one_at_a_time(tiny):
 
 
 def test_steady_state_compiles_nothing_new(tiny):
+  """Prefill compiles once per (prompt bucket, prompts-per-wave bucket): 4 slots, 5 requests of
+  different budgets give a wave of 4 and a wave of 1, whatever the prompt values."""
   graphdef, params = tiny
-  eng = _engine(graphdef, params)
-  eng.run([Request(p, max_new_tokens=6) for p in _prompts(4, seed=8, max_len=15)])  # warm: buckets 16
+  eng = _engine(graphdef, params, eos_ids=())
+  budgets = [6, 9, 3, 12, 7]
+  eng.run([Request(p, max_new_tokens=n) for p, n in zip(_prompts(5, seed=8, max_len=15), budgets, strict=True)])
   sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size())
-  eng.run([Request(p, max_new_tokens=6) for p in _prompts(5, seed=9, max_len=15)])  # new values, same buckets
+  assert eng.stats["prefill_calls"] == 2, "one wave of four groups, then one of one"
+  eng.run([Request(p, max_new_tokens=n) for p, n in zip(_prompts(5, seed=9, max_len=15), budgets, strict=True)])
   assert (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size()) == sizes
 
 
@@ -218,12 +222,16 @@ def test_abort_and_resume_recomputes_the_prefix_under_the_new_weights(tiny):
   assert any(s.tokens != old.tokens for s, old in zip(got, under_old, strict=True)), "new weights must show"
 
 
-def test_keep_kv_swaps_at_the_next_chunk_and_bad_updates_are_refused(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_keep_kv_swaps_at_the_next_chunk_and_bad_updates_are_refused(tiny, overlap):
+  """Requested after chunk 1 is read; lands before the next chunk dispatched, which with overlap is
+  chunk 3 (chunk 2 was already running on the old weights, and its tokens say so)."""
   graphdef, params = tiny
   _, new = _tiny_params(seed=7)
-  eng = _engine(graphdef, params, eos_ids=())
-  got = eng.run([Request(p, max_new_tokens=14) for p in _prompts(2, seed=13)], on_chunk=_swap_once(new, "keep_kv"))
-  assert all(s.gen_ids == [0] * 6 + [1] * 8 for s in got)
+  eng = _engine(graphdef, params, eos_ids=(), overlap=overlap)
+  got = eng.run([Request(p, max_new_tokens=16) for p in _prompts(2, seed=13)], on_chunk=_swap_once(new, "keep_kv"))
+  old = 1 + 5 * (2 if overlap else 1)
+  assert all(s.gen_ids == [0] * old + [1] * (16 - old) for s in got)
   with pytest.raises(ValueError, match="update policy"):
     eng.update_weights(new, gen_id=2, policy="sometimes")
   with pytest.raises(ValueError, match="gen_id must increase"):

@@ -1,39 +1,46 @@
 """The rollout engine: paged KV cache, continuous batching, GRPO prefix sharing, in-jit sampling.
 
-Device side: pure jitted functions over a `DecodeState` (the paged pool plus per-slot arrays),
-donated on every call, in the shape of JetStream's engine API:
-  prefill   writes one prompt's K/V straight into its pages; returns the last position's logits
-  insert    samples a slot's first token from those logits and makes the slot live
-  generate  K decode steps inside one jit: returns [K, slots] tokens, log-probs, emitted mask
-  free      (host) returns the slot's pages; its table row becomes -1 so its writes are dropped
-Host side: a `PagePool` (kv_pool.py) owns page tables, refcounts and preemption. `run(requests)`
-is the continuous-batching loop: it fills free slots (one prefill per GRPO group, then forks that
-share the prompt's full pages), decodes in chunks of K, retires finished sequences (EOS / stop
-ids / length) and refills. When pages run out the youngest sequences are preempted, requeued and
-later recomputed from scratch; since every sample's keys come from (seed, sequence id, position),
-a recomputed sequence is identical to the one it replaces.
-Every emitted token carries the gen_id of the weights it was sampled under.
-Shapes are static per engine (slots, pages, chunk K, prompt buckets): steady state compiles nothing.
+Device side (device.py): pure jitted functions over a `DecodeState` (the paged pool plus per-slot
+arrays), donated on every call; the state stays on the device from one call to the next.
+Host side: a `PagePool` (kv_pool.py) owns page tables, refcounts and preemption, and a host mirror
+of the slot state (`host`) is kept up to date from what the device returns anyway (tokens, emitted
+flags, finish flags), never by reading the state back. What the host changes (admissions, new
+pages, frees) goes out with the next dispatch: at most one prefill call per prompt-length bucket
+of an admission wave and one `patch` call, only when something changed.
+`run(requests)` (scheduler.py) is the continuous-batching loop: it fills free slots (one prefill
+per GRPO group, forks that share the prompt's full pages), decodes in chunks of K with host work
+overlapping the device, retires finished sequences (EOS / stop ids / length / stop strings) and
+refills. When pages run out the youngest sequences are preempted, requeued and later recomputed
+from scratch; since every sample's keys come from (seed, sequence id, position), a recomputed
+sequence is identical to the one it replaces. Every emitted token carries the gen_id of the
+weights it was sampled under.
+Shapes are static per engine (slots, pages, chunk K) and bucketed per call (prompt length, prompts
+and samples per wave: powers of two), so steady state compiles nothing new.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
 
 from jaxrl_topo.models.config import ModelConfig
+from jaxrl_topo.rollout import device
 from jaxrl_topo.rollout.dense import bucket_length
+from jaxrl_topo.rollout.device import DecodeState, Layout
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
-from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
+from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.rollout.scheduler import Request, Sample, run_loop
 from jaxrl_topo.topology.hostcomm import to_host
+
+__all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
+
+prefill, generate, patch = device.prefill, device.generate, device.patch  # the jitted functions (tests count traces)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +55,8 @@ class EngineConfig:
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()
   pad_id: int = 0
+  kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
+  overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
 
   def __post_init__(self):
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
@@ -59,94 +68,6 @@ class EngineConfig:
     return -(-self.max_len // self.page_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-  prompt_ids: Sequence[int]
-  n: int = 1  # samples (a GRPO group shares the prompt's pages)
-  max_new_tokens: int = 64
-  stop_ids: tuple[int, ...] = ()  # extra stop tokens besides the engine's eos_ids
-  stop_strings: tuple[str, ...] = ()  # stop once the completion's text contains one (needs detokenize)
-
-
-@dataclasses.dataclass
-class Sample:
-  request: int
-  index: int  # which of the request's n samples
-  tokens: list[int]
-  logprobs: list[float]
-  gen_ids: list[int]
-  finish_reason: str = ""  # "stop" | "length"
-
-
-@struct.dataclass
-class DecodeState:
-  cache: PagedKVCache
-  last_B: jax.Array  # int32 token to feed next
-  pos_B: jax.Array  # int32 its position
-  seq_B: jax.Array  # int32 sequence id (sampling keys)
-  left_B: jax.Array  # int32 tokens still allowed
-  active_B: jax.Array  # bool
-
-
-# ---------------------------------------------------------------- device functions (pure, donated)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def prefill(graphdef, params, state: DecodeState, tokens_1T, length, table_1M):
-  """Writes a prompt's K/V into the pages of `table_1M`; returns (state, logits_V at the last token)."""
-  model = nnx.merge(graphdef, params)
-  view = state.cache.replace(table_BM=table_1M)
-  positions_1T = jnp.arange(tokens_1T.shape[1], dtype=jnp.int32)[None]
-  h_1TD, view = model.hidden(tokens_1T, positions_1T, None, view)
-  h_11D = jax.lax.dynamic_slice_in_dim(h_1TD, length - 1, 1, axis=1)
-  cache = state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH)
-  return state.replace(cache=cache), model.logits(h_11D)[0, 0]
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def copy_pages(state: DecodeState, src_N, dst_N):
-  """Copy-on-write of forked partial pages; dst = n_pages (out of range) entries are no-ops."""
-  k, v = state.cache.k_LPSKH, state.cache.v_LPSKH
-  src = jnp.clip(src_N, 0, k.shape[1] - 1)
-  k = k.at[:, dst_N].set(k[:, src], mode="drop")
-  v = v.at[:, dst_N].set(v[:, src], mode="drop")
-  return state.replace(cache=state.cache.replace(k_LPSKH=k, v_LPSKH=v))
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def sample_first(logits_V, key, seq_ids_G, length, *, sampling: SamplingConfig):
-  """First tokens of a group's samples from the shared prompt logits, each with its own key."""
-  G = seq_ids_G.shape[0]
-  keys = sequence_keys(key, seq_ids_G, jnp.full((G,), length, jnp.int32))
-  return sample_tokens(jnp.broadcast_to(logits_V, (G, logits_V.shape[0])), keys, sampling)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "n_steps", "eos_ids", "pad_id"),
-                   donate_argnames=("state",))
-def generate(graphdef, params, state: DecodeState, key, stop_BX, *, sampling: SamplingConfig, n_steps: int,
-             eos_ids: tuple[int, ...], pad_id: int):
-  """K = n_steps decode steps for every active slot: (state, tokens_KB, logprobs_KB, emitted_KB)."""
-  model = nnx.merge(graphdef, params)
-  eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
-
-  def step(state, _):
-    h_B1D, cache = model.hidden(state.last_B[:, None], state.pos_B[:, None], None, state.cache)
-    keys = sequence_keys(key, state.seq_B, state.pos_B + 1)
-    tok_B, lp_B = sample_tokens(model.logits(h_B1D)[:, 0], keys, sampling)
-    emitted = state.active_B
-    stop = jnp.isin(tok_B, eos) | jnp.any(tok_B[:, None] == stop_BX, axis=-1)
-    left = state.left_B - emitted
-    new = state.replace(cache=cache, last_B=jnp.where(emitted, tok_B, state.last_B),
-                        pos_B=state.pos_B + emitted, left_B=left, active_B=emitted & ~stop & (left > 0))
-    return new, (jnp.where(emitted, tok_B, pad_id), jnp.where(emitted, lp_B, 0.0), emitted)
-
-  state, (tokens_KB, logprobs_KB, emitted_KB) = jax.lax.scan(step, state, None, length=n_steps)
-  return state, tokens_KB, logprobs_KB, emitted_KB
-
-
-# ---------------------------------------------------------------- host side
-
-
 _MAX_STOP_IDS = 4  # per-request stop ids beyond eos_ids (static width of the device array)
 
 
@@ -155,7 +76,8 @@ UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")
 
 @dataclasses.dataclass
 class _SlotMirror:
-  """Host copy of the per-slot device arrays; pushed before and pulled after every generate()."""
+  """The host's view of the per-slot device arrays, as of the last chunk read (admitted slots not
+  yet read are assumed live). Kept from the chunk outputs; never read back from the state."""
 
   last_B: np.ndarray
   pos_B: np.ndarray
@@ -177,6 +99,33 @@ class _Pending:
   policy: str
 
 
+@dataclasses.dataclass
+class _Wave:
+  """An admitted group waiting for its prefill: its slots' first tokens come back with a chunk."""
+
+  prompt_ids: list[int]
+  slots: list[int]
+  seq_ids: list[int]
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+  copies: list[tuple[int, int]]
+  table_M: np.ndarray  # the prompt's pages (and the first slot's decode pages)
+
+
+@dataclasses.dataclass
+class _Dispatched:
+  """Device results not yet read: first tokens of prefills (rows -> (slot, epoch, gen_id)) and a chunk."""
+
+  firsts: list[tuple[jax.Array, jax.Array, list[tuple[int, int, int]]]]
+  chunk: tuple | None = None  # (tokens_KB, logprobs_KB, emitted_KB, active_B)
+  epoch_B: np.ndarray | None = None
+  gen_id: int = 0
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
 class RolloutEngine:
   """Continuous-batching generation over a paged KV cache.
 
@@ -196,18 +145,28 @@ class RolloutEngine:
     self.mesh = mesh
     self._pending: _Pending | None = None
     self._running = False  # inside run(): updates land under their policy
-    self._shardings = _slot_shardings(mesh, ecfg.n_slots, cfg.n_kv_heads)
+    self.layout = _layout(mesh, ecfg.n_slots, cfg.n_kv_heads)
     self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq)
     self.host = _SlotMirror.zeros(ecfg.n_slots)
-    self.state = DecodeState(cache=self._zero_cache(), **self._slot_arrays())
+    self.state = self._zero_state()
     self.stats = collections.Counter()
     self._kv_released = False
+    self._dev_table = self.pool.table()  # what the device's page table holds
+    self._epoch_B = np.zeros(ecfg.n_slots, np.int64)  # bumped at every admission and free of a slot
+    self._waves: list[_Wave] = []  # admitted, prefill not yet dispatched
+    self._rows: dict[int, tuple] = {}  # slot -> row values for the next patch (deactivations)
+    self._unread: list = []  # dispatched prefills whose first tokens are not read yet
 
-  def _zero_cache(self) -> PagedKVCache:
-    e = self.ecfg
-    cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, e.n_slots, impl=e.impl)
-    return cache.replace(k_LPSKH=self._put(cache.k_LPSKH, "kv"), v_LPSKH=self._put(cache.v_LPSKH, "kv"),
-                         table_BM=self._put(cache.table_BM, "BM"))  # the steady-state layouts from the start
+  def _zero_state(self) -> DecodeState:
+    e, B = self.ecfg, self.ecfg.n_slots
+    cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=e.impl,
+                               dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
+    z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+    state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
+                        stop_BX=jnp.full((B, _MAX_STOP_IDS), -1, jnp.int32))
+    if self.layout is None:
+      return state
+    return jax.jit(device.constrain, static_argnums=1)(state, self.layout)  # the steady-state layout from the start
 
   def release_kv(self) -> None:
     """Frees the KV pool's device memory (colocated: the trainer needs it); the next `run` or
@@ -221,17 +180,9 @@ class RolloutEngine:
 
   def _ensure_kv(self) -> None:
     if self._kv_released:
-      self.state = self.state.replace(cache=self._zero_cache())
+      self.state = self._zero_state()
+      self._dev_table = self.pool.table()
       self._kv_released = False
-
-  def _put(self, x, kind: str):
-    sharding = self._shardings.get(kind)
-    return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
-
-  def _slot_arrays(self) -> dict:
-    h = self.host
-    return dict(last_B=self._put(h.last_B, "B"), pos_B=self._put(h.pos_B, "B"), seq_B=self._put(h.seq_B, "B"),
-                left_B=self._put(h.left_B, "B"), active_B=self._put(h.active_B, "B"))
 
   # -- weights -----------------------------------------------------------------------------------
 
@@ -242,7 +193,8 @@ class RolloutEngine:
                         they have, then the swap (the old weights stay alive until then)
       abort_and_resume  now; live sequences drop their K/V and are re-prefilled (prompt + tokens
                         so far) under the new weights, then continue
-    Tokens keep the gen_id they were sampled under. Outside `run`, every policy swaps at once."""
+    Tokens keep the gen_id they were sampled under. Outside `run`, every policy swaps at once.
+    Inside `run` with overlap, the chunk already dispatched still runs on the old weights."""
     if policy not in UPDATE_POLICIES:
       raise ValueError(f"update policy {policy!r}; expected one of {UPDATE_POLICIES}")
     newest = self._pending.gen_id if self._pending else self.gen_id
@@ -256,6 +208,157 @@ class RolloutEngine:
     self.params, self.gen_id, self._pending = self._pending.params, self._pending.gen_id, None
     self.stats["weight_updates"] += 1
 
+  # -- host bookkeeping, dispatch and read-back ---------------------------------------------------
+
+  def _admit_group(self, prompt_ids: Sequence[int], seq_ids: Sequence[int], *, max_new_tokens: int,
+                   stop_ids: Sequence[int] = (), lookahead: int = 0) -> list[int]:
+    """Pages and slots for a group (the prompt once, forks sharing its full pages, and each slot's
+    pages for its first `lookahead` decode writes, so the prefill's page table is the one decode
+    starts with); the prefill goes out with the next `_flush`. Raises OutOfPages, with nothing
+    changed, if the group does not fit."""
+    self._ensure_kv()
+    slots, copies = [], []
+    try:
+      slots.append(self.pool.admit(seq_ids[0], len(prompt_ids)))
+      for sid in seq_ids[1:]:
+        slot, copy = self.pool.fork(slots[0], sid)
+        slots.append(slot)
+        if copy is not None:
+          copies.append(copy)
+      for slot in slots:
+        self.pool.ensure_capacity(slot, min(lookahead, max_new_tokens - 1))
+    except OutOfPages:
+      for slot in reversed(slots):
+        self.pool.free(slot)
+      raise
+    h = self.host
+    for slot, sid in zip(slots, seq_ids, strict=True):
+      self._epoch_B[slot] += 1
+      self._rows.pop(slot, None)  # the prefill sets the whole row
+      h.pos_B[slot], h.seq_B[slot], h.left_B[slot] = len(prompt_ids), sid, max_new_tokens - 1
+      h.active_B[slot] = max_new_tokens > 1  # until its first token is read
+      h.stop_BX[slot] = -1
+      h.stop_BX[slot, : len(stop_ids)] = stop_ids
+    self._waves.append(_Wave(list(prompt_ids), slots, list(seq_ids), max_new_tokens, tuple(stop_ids), copies,
+                             self.pool.table()[slots[0]]))
+    self.stats["prefills"] += 1
+    self.stats["forks"] += len(slots) - 1
+    return slots
+
+  def _flush(self) -> None:
+    """Sends the host's changes: a patch (deactivated rows, a page table that grew), then the
+    pending admission wave, one prefill per prompt-length bucket. A wave must go out before any
+    of its slots can be freed (its prefill writes the pages they held)."""
+    e, B = self.ecfg, self.ecfg.n_slots
+    table = self.pool.table()
+    live = self.host.active_B
+    stale = not np.array_equal(table[live], self._dev_table[live])  # rows of idle slots are never read
+    if self._rows or (stale and not self._waves):
+      slot_N = np.full((B,), B, np.int32)
+      vals = np.zeros((5, B), np.int32)
+      stop_NX = np.full((B, _MAX_STOP_IDS), -1, np.int32)
+      for n, (slot, row) in enumerate(sorted(self._rows.items())):
+        slot_N[n] = slot
+        vals[:, n] = row
+      none_C = np.full((B,), e.n_pages, np.int32)
+      self.state = patch(self.state, table, none_C, none_C, slot_N, *vals[:4], vals[4].astype(bool), stop_NX,
+                         layout=self.layout)
+      self._dev_table, self._rows = table, {}
+      self.stats["uploads"] += 1
+    by_bucket: dict[int, list[_Wave]] = collections.defaultdict(list)
+    for w in self._waves:
+      by_bucket[bucket_length(len(w.prompt_ids), e.min_bucket, e.max_pages_per_seq * e.page_size)].append(w)
+    for T, waves in sorted(by_bucket.items()):
+      self._unread.append(self._prefill(table, T, waves))
+    if self._waves:
+      self._dev_table, self._waves = table, []
+
+  def _prefill(self, table, T: int, waves: list[_Wave]):
+    e, B = self.ecfg, self.ecfg.n_slots
+    G, N = _pow2(len(waves)), B  # a wave never holds more samples than slots
+    C = _pow2(max(1, sum(len(w.copies) for w in waves)))
+    tokens_GT = np.full((G, T), e.pad_id, np.int32)
+    lengths_G = np.ones((G,), np.int32)
+    table_GM = np.full((G, e.max_pages_per_seq), -1, np.int32)
+    src_C, dst_C = np.zeros((C,), np.int32), np.full((C,), e.n_pages, np.int32)
+    prompt_N, slot_N, seq_N, left_N = np.zeros((N,), np.int32), np.full((N,), B, np.int32), *np.zeros((2, N), np.int32)
+    stop_NX = np.full((N, _MAX_STOP_IDS), -1, np.int32)
+    n = c = 0
+    rows = []
+    for g, w in enumerate(waves):
+      tokens_GT[g, : len(w.prompt_ids)] = w.prompt_ids
+      lengths_G[g] = len(w.prompt_ids)
+      table_GM[g] = w.table_M
+      for src, dst in w.copies:
+        src_C[c], dst_C[c] = src, dst
+        c += 1
+      for slot, sid in zip(w.slots, w.seq_ids, strict=True):
+        prompt_N[n], slot_N[n], seq_N[n], left_N[n] = g, slot, sid, w.max_new_tokens - 1
+        stop_NX[n, : len(w.stop_ids)] = w.stop_ids
+        rows.append((slot, int(self._epoch_B[slot]), self.gen_id))
+        n += 1
+    self.state, tok_N, lp_N = prefill(self.graphdef, self.params, self.state, self.key, table, tokens_GT, lengths_G,
+                                      table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX,
+                                      sampling=self.sampling, eos_ids=self.ecfg.eos_ids, layout=self.layout)
+    self.stats["prefill_calls"] += 1
+    self.stats["uploads"] += 1
+    return tok_N, lp_N, rows
+
+  def _dispatch(self) -> _Dispatched:
+    """Flushes the host's changes and launches one chunk of K decode steps; nothing is read."""
+    self._flush()
+    e = self.ecfg
+    out = generate(self.graphdef, self.params, self.state, self.key, sampling=self.sampling, n_steps=e.decode_chunk,
+                   eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout)
+    self.state, chunk = out[0], out[1:]
+    firsts, self._unread = self._unread, []
+    self.stats["slot_steps"] += e.n_slots * e.decode_chunk
+    return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id)
+
+  def _read(self, d: _Dispatched):
+    """One blocking read of a dispatch's results; updates the host mirror and the pool for slots
+    still holding the same sequence. Returns ({slot: (tokens, logprobs, gen_ids)}, chunk arrays)."""
+    firsts, chunk = to_host(([(t, lp) for t, lp, _ in d.firsts], d.chunk))
+    self.stats["host_reads"] += 1
+    h, e = self.host, self.ecfg
+    new: dict[int, tuple[list[int], list[float], list[int]]] = {}
+    for (tok_N, lp_N), (_, _, rows) in zip(firsts, d.firsts, strict=True):
+      for n, (slot, epoch, gen_id) in enumerate(rows):
+        if self._epoch_B[slot] != epoch:
+          continue
+        tok = int(tok_N[n])
+        h.last_B[slot] = tok
+        h.active_B[slot] = h.left_B[slot] > 0 and tok not in e.eos_ids and tok not in h.stop_BX[slot]
+        new[slot] = ([tok], [float(lp_N[n])], [gen_id])
+        self.stats["tokens"] += 1
+    if chunk is None:
+      return new, None
+    toks_KB, lps_KB, emitted_KB, active_B = chunk
+    n_B = emitted_KB.sum(axis=0)
+    for slot in np.flatnonzero((self._epoch_B == d.epoch_B) & ((n_B > 0) | h.active_B)):
+      k = int(n_B[slot])
+      if k:
+        self.pool.advance(int(slot), k)
+        h.pos_B[slot] += k
+        h.left_B[slot] -= k
+        h.last_B[slot] = toks_KB[k - 1, slot]
+      h.active_B[slot] = active_B[slot]
+      toks, lps, gids = new.setdefault(int(slot), ([], [], []))
+      toks += toks_KB[:k, slot].tolist()
+      lps += lps_KB[:k, slot].tolist()
+      gids += [d.gen_id] * k
+      self.stats["tokens"] += k
+    self.stats["chunks"] += 1
+    self.stats["busy_steps"] += int(n_B.sum())  # slot-steps that emitted (a discarded row's too)
+    return new, chunk
+
+  def _released(self, slot: int) -> None:
+    """Host side of a freed slot (pool already freed): the device must stop decoding it if it may be live."""
+    self._epoch_B[slot] += 1
+    if self.host.active_B[slot]:
+      self._rows[slot] = (0, 0, 0, 0, 0)  # last, pos, seq, left, active=False
+    self.host.active_B[slot] = False
+
   # -- JetStream-shaped pieces ---------------------------------------------------------------------
 
   def insert_group(self, prompt_ids: Sequence[int], seq_ids: Sequence[int], *, max_new_tokens: int,
@@ -264,42 +367,11 @@ class RolloutEngine:
     prompt's full pages), samples each one's first token and makes the slots live for up to
     `max_new_tokens` tokens in all: (slot, first token, its log-prob) per sequence. Raises
     OutOfPages, with nothing changed, if the pool cannot hold the whole group now."""
-    self._ensure_kv()
-    n_prompt = len(prompt_ids)
-    slots, copies = [], []
-    try:
-      slots.append(self.pool.admit(seq_ids[0], n_prompt))
-      for sid in seq_ids[1:]:
-        slot, copy = self.pool.fork(slots[0], sid)
-        slots.append(slot)
-        if copy is not None:
-          copies.append(copy)
-    except OutOfPages:
-      for slot in reversed(slots):
-        self.pool.free(slot)
-      raise
-    e = self.ecfg
-    T = bucket_length(n_prompt, e.min_bucket, e.max_pages_per_seq * e.page_size)
-    tokens = np.full((1, T), e.pad_id, np.int32)
-    tokens[0, :n_prompt] = prompt_ids
-    table = self.pool.table()[slots[0]][None]
-    self.state, logits = prefill(self.graphdef, self.params, self.state, tokens, np.int32(n_prompt), table)
-    if copies:
-      src = np.full((e.n_slots,), 0, np.int32)
-      dst = np.full((e.n_slots,), e.n_pages, np.int32)  # out of range: no-op
-      src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-      self.state = copy_pages(self.state, src, dst)
-    first, lps = to_host(sample_first(logits, self.key, np.asarray(seq_ids, np.int32), np.int32(n_prompt),
-                                      sampling=self.sampling))
-    self.stats["prefills"] += 1
-    self.stats["forks"] += len(slots) - 1
-    h = self.host
-    for slot, sid, tok in zip(slots, seq_ids, first.tolist(), strict=True):
-      h.last_B[slot], h.pos_B[slot], h.seq_B[slot], h.left_B[slot] = tok, n_prompt, sid, max_new_tokens - 1
-      h.active_B[slot] = max_new_tokens > 1 and tok not in e.eos_ids and tok not in stop_ids
-      h.stop_BX[slot] = -1
-      h.stop_BX[slot, : len(stop_ids)] = stop_ids
-    return list(zip(slots, first.tolist(), lps.tolist(), strict=True))
+    slots = self._admit_group(prompt_ids, seq_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    self._flush()
+    new, _ = self._read(_Dispatched(self._unread))
+    self._unread = []
+    return [(slot, new[slot][0][0], new[slot][1][0]) for slot in slots]
 
   def insert(self, prompt_ids: Sequence[int], seq_id: int, **kw) -> tuple[int, int, float]:
     """One sequence: `insert_group` with a group of one."""
@@ -312,24 +384,13 @@ class RolloutEngine:
     e, h = self.ecfg, self.host
     for slot in np.flatnonzero(h.active_B):
       self.pool.ensure_capacity(int(slot), int(min(e.decode_chunk, h.left_B[slot])))
-    self.state = self.state.replace(cache=self.state.cache.replace(table_BM=self._put(self.pool.table(), "BM")),
-                                    **self._slot_arrays())
-    self.state, toks, lps, emitted = generate(
-        self.graphdef, self.params, self.state, self.key, self._put(h.stop_BX, "BM"), sampling=self.sampling,
-        n_steps=e.decode_chunk, eos_ids=e.eos_ids, pad_id=e.pad_id)
-    names = ("last_B", "pos_B", "left_B", "active_B")
-    toks, lps, emitted, dev = to_host((toks, lps, emitted, [getattr(self.state, k) for k in names]))
-    for name, value in zip(names, dev, strict=True):
-      setattr(h, name, np.array(value))
-    for slot in np.flatnonzero(emitted.any(axis=0)):
-      self.pool.advance(int(slot), int(emitted[:, slot].sum()))
-    self.stats["chunks"] += 1
+    _, (toks, lps, emitted, _) = self._read(self._dispatch())
     return toks, lps, emitted
 
   def free(self, slot: int) -> None:
     """Returns the slot's pages (shared prompt pages when the last sibling goes)."""
     self.pool.free(slot)
-    self.host.active_B[slot] = False
+    self._released(slot)
 
   # -- the loop ------------------------------------------------------------------------------------
 
@@ -366,137 +427,16 @@ class RolloutEngine:
     self._running = True
     self.sampling = sampling or self.ecfg.sampling
     try:
-      return self._run(_Loop(self, requests), on_chunk)
+      return run_loop(self, requests, on_chunk)
     finally:
       self._running = False
       self.sampling = self.ecfg.sampling
 
-  def _run(self, loop: _Loop, on_chunk) -> list[Sample]:
-    while loop.queue or loop.live:
-      if self._pending is not None and (self._pending.policy != "finish_on_old" or not loop.live):
-        loop.land_update()
-      if self._pending is None:  # finish_on_old: admit nothing until the old weights are done
-        loop.fill()
-      if not loop.live:
-        continue
-      loop.reserve()
-      if not loop.live:
-        continue
-      loop.collect(*self.generate())
-      if on_chunk is not None:
-        on_chunk(self)
-    if self._pending is not None:
-      self._swap()
-    return [loop.out[(r, i)] for r, req in enumerate(loop.requests) for i in range(req.n)]
 
-
-class _Loop:
-  """The state of one `run`: queue of groups to admit, live slots, samples so far."""
-
-  def __init__(self, engine: RolloutEngine, requests: Sequence[Request]):
-    self.engine, self.requests = engine, requests
-    self.base = np.cumsum([0] + [req.n for req in requests])  # sequence id = base[r] + sample index
-    self.out = {(r, i): Sample(r, i, [], [], []) for r, req in enumerate(requests) for i in range(req.n)}
-    # (request, samples, resume): resume = continue out[(r, i)] from its tokens so far (one sample)
-    self.queue = collections.deque((r, list(range(req.n)), False) for r, req in enumerate(requests))
-    self.live: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
-
-  def fill(self) -> None:
-    """Admits queued groups while slots and pages allow (a whole group at once: one prefill)."""
-    eng = self.engine
-    while self.queue:
-      r, samples, resume = self.queue[0]
-      req = self.requests[r]
-      if len(samples) > eng.ecfg.n_slots - len(self.live):
-        return
-      done = self.out[(r, samples[0])].tokens if resume else []
-      try:
-        admitted = eng.insert_group(list(req.prompt_ids) + done, [int(self.base[r]) + i for i in samples],
-                                    max_new_tokens=req.max_new_tokens - len(done), stop_ids=req.stop_ids)
-      except OutOfPages:
-        if not self.live:
-          raise RuntimeError(f"request {r} does not fit the empty pool") from None
-        return
-      self.queue.popleft()
-      eng.stats["resumed"] += resume
-      for (slot, tok, lp), i in zip(admitted, samples, strict=True):
-        sample = self.out[(r, i)]
-        if not resume:
-          sample.tokens, sample.logprobs, sample.gen_ids = [], [], []
-        self.live[slot] = (r, i)
-        self._append(slot, [tok], [lp])
-
-  def collect(self, toks_KB, lps_KB, emitted_KB) -> None:
-    for slot in list(self.live):
-      n_new = int(emitted_KB[:, slot].sum())
-      self._append(slot, toks_KB[:n_new, slot].tolist(), lps_KB[:n_new, slot].tolist())
-
-  def _append(self, slot: int, tokens: list[int], logprobs: list[float]) -> None:
-    """Adds a slot's new tokens; retires it on device stop, length, or a stop string."""
-    eng = self.engine
-    r, i = self.live[slot]
-    req, sample = self.requests[r], self.out[(r, i)]
-    start = len(sample.tokens)
-    sample.tokens += tokens
-    sample.logprobs += logprobs
-    sample.gen_ids += [eng.gen_id] * len(tokens)
-    cut = _stop_string_end(sample.tokens, start, req.stop_strings, eng.detokenize) if req.stop_strings else None
-    if cut is not None:
-      del sample.tokens[cut:], sample.logprobs[cut:], sample.gen_ids[cut:]
-      sample.finish_reason = "stop"
-    elif not eng.host.active_B[slot]:
-      last = sample.tokens[-1]
-      sample.finish_reason = "stop" if last in eng.ecfg.eos_ids or last in req.stop_ids else "length"
-    else:
-      return
-    del self.live[slot]
-    eng.free(slot)
-    eng.stats["finished"] += 1
-
-  def reserve(self) -> None:
-    """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
-    eng = self.engine
-    for slot in list(self.live):
-      while slot in self.live:
-        try:
-          eng.pool.ensure_capacity(slot, int(min(eng.ecfg.decode_chunk, eng.host.left_B[slot])))
-          break
-        except OutOfPages as err:
-          seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
-          for seq in eng.pool.preempt_youngest(err.needed):
-            victim = seq_to_slot[seq]
-            r, i = self.live.pop(victim)
-            eng.host.active_B[victim] = False
-            self.queue.appendleft((r, [i], False))  # recomputed from scratch later: same keys, same tokens
-            eng.stats["preemptions"] += 1
-
-  def land_update(self) -> None:
-    """Applies pending weights; under abort_and_resume every live sequence is requeued to resume."""
-    eng = self.engine
-    if eng._pending.policy == "abort_and_resume":
-      for slot, (r, i) in sorted(self.live.items(), reverse=True):
-        eng.free(slot)
-        self.queue.appendleft((r, [i], True))
-        eng.stats["aborted"] += 1
-      self.live.clear()
-    eng._swap()
-
-
-def _stop_string_end(tokens: list[int], start: int, stops: Sequence[str], detokenize) -> int | None:
-  """Length of the shortest token prefix (> start) whose text contains a stop string, else None."""
-  if not any(s in detokenize(tokens) for s in stops):
-    return None
-  for n in range(start + 1, len(tokens) + 1):
-    text = detokenize(tokens[:n])
-    if any(s in text for s in stops):
-      return n
-  return len(tokens)  # the stop string straddles `start` (it cannot: it was checked then); be safe
-
-
-def _slot_shardings(mesh, n_slots: int, n_kv_heads: int) -> dict:
+def _layout(mesh, n_slots: int, n_kv_heads: int) -> Layout | None:
   """Shardings of the device state on a rollout mesh: slots over `data`, KV heads over `tensor`."""
   if mesh is None:
-    return {}
+    return None
   axes = dict(mesh.shape)
   unknown = set(axes) - {"data", "tensor"}
   if unknown:
@@ -510,4 +450,4 @@ def _slot_shardings(mesh, n_slots: int, n_kv_heads: int) -> dict:
   t = "tensor" if "tensor" in axes else None
   P = jax.sharding.PartitionSpec
   ns = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))  # noqa: E731
-  return {"kv": ns(None, None, None, t, None), "B": ns(d), "BM": ns(d, None)}
+  return Layout(kv=ns(None, None, None, t, None), B=ns(d), BM=ns(d, None))
