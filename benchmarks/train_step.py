@@ -4,6 +4,7 @@
   python benchmarks/train_step.py --preset=qwen2.5-0.5b --seq_len=2048 --batch=16 --n_micro=4 \
       --dtype=bfloat16 --remat --steps=10             # the H100/H200 target (MFU >= 45%)
   python benchmarks/train_step.py --preset=qwen2.5-0.5b ... --compile_only  # memory_analysis only
+  python benchmarks/train_step.py --attention=reference   # the dense quadratic attention, for comparison
 
 AOT-compiles the step (`.lower(state, batch).compile()`: compile time and memory_analysis before
 anything runs), warms up, then times `--steps` steps with block_until_ready. The batch is `--batch`
@@ -76,7 +77,8 @@ def full_length_batch(cfg, batch: int, seq_len: int, n_micro: int, seed: int = 0
 
 def build(args):
   """(model cfg, state, jitted step, device batch, response length): all devices on one fsdp axis."""
-  cfg = get_preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+  overrides = {**json.loads(args.model_overrides), "attention": args.attention}
+  cfg = get_preset(args.preset, **overrides, **({"dtype": args.dtype} if args.dtype else {}))
   mesh = make_mesh({"fsdp": jax.device_count()})
   train_cfg = TrainConfig(loss=LossConfig(group_size=GROUP, advantage="grpo"))
   tx = make_optimizer(train_cfg.optim)
@@ -100,7 +102,8 @@ def run(args) -> dict:
   common = {
       "device": jax.devices()[0].device_kind, "n_devices": jax.device_count(), "jax": jax.__version__,
       "preset": args.preset, "params": num_params(cfg), "seq_len": args.seq_len, "batch": args.batch,
-      "n_micro": args.n_micro, "dtype": cfg.dtype, "remat": args.remat, "compile_s": compile_s,
+      "n_micro": args.n_micro, "dtype": cfg.dtype, "remat": args.remat, "attention": cfg.attention,
+      "model_overrides": args.model_overrides, "compile_s": compile_s,
       "temp_bytes": None if memory is None else memory.temp_size_in_bytes,
       "argument_bytes": None if memory is None else memory.argument_size_in_bytes,
   }
@@ -135,6 +138,9 @@ def main():
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype (default: preset)")
   parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=False, help="rematerialise blocks")
+  parser.add_argument("--attention", default="flash", choices=["flash", "reference", "xla", "cudnn"],
+                      help="training attention (models/attention.py)")
+  parser.add_argument("--model_overrides", default="{}", help='ModelConfig fields as JSON, e.g. \'{"n_layers": 4}\'')
   parser.add_argument("--compile_only", action="store_true", help="stop after AOT compilation (memory check)")
   parser.add_argument("--peak_tflops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
   args = parser.parse_args()

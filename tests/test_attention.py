@@ -135,3 +135,19 @@ def test_flash_scratch_grows_linearly_the_reference_quadratically():
   assert flash[1] <= 6 * flash[0], f"flash scratch {flash}: not linear in T"
   assert ref[1] >= 12 * ref[0], f"reference scratch {ref}: expected quadratic growth"
   assert flash[1] * 4 < ref[1], f"at 2,048 tokens flash {flash[1]} vs reference {ref[1]} bytes"
+
+
+@pytest.mark.parametrize("N, K", [(4, 2), (8, 1)], ids=["G2", "G8"])
+def test_cached_prefill_attention_equals_the_masked_reference(N, K):
+  """Prefill over a contiguous cache of S = 70 slots (not a multiple of the 32-token block): each query
+  sees the slots up to its own position."""
+  from jaxrl_topo.models.layers import gqa_attention
+
+  rng = np.random.default_rng(N + K)
+  S, Tq = 70, 12
+  q = jnp.asarray(rng.normal(size=(B, Tq, N, H)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32) for _ in range(2))
+  positions = jnp.asarray(rng.integers(0, S, (B, Tq)), jnp.int32)
+  want = gqa_attention(q, k, v, jnp.arange(S)[None, None, :] <= positions[:, :, None])
+  got = jax.jit(functools.partial(attention.cached_attention, block=32))(q, k, v, positions)
+  np.testing.assert_allclose(got, want, atol=2e-6)

@@ -147,6 +147,39 @@ def flash_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, block: int = 128)
   return jnp.moveaxis(out_nBtKGH, 0, 1).reshape(B, nb * bs, N, H)[:, :T]
 
 
+def cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, *, block: int = 256):
+  """Queries at `positions_BT` over a contiguous cache (key s holds position s, visible iff s <= position),
+  as an online softmax over key blocks: the largest live tensor is [B, K, G, T, block], not [.., T, S].
+  Forward only (prefill and decode never differentiate). Equal to gqa_attention with the s <= t mask."""
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  bs = min(block, S)
+  nb = -(-S // bs)
+  if nb * bs != S:  # padded keys get positions past every query: masked
+    widths = ((0, 0), (0, nb * bs - S), (0, 0), (0, 0))
+    k_BSKH, v_BSKH = jnp.pad(k_BSKH, widths), jnp.pad(v_BSKH, widths)
+  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+  k_nBsKH, v_nBsKH = _blocked(k_BSKH, nb, bs), _blocked(v_BSKH, nb, bs)
+  scale = float(H) ** -0.5
+
+  def key_block(carry, xs):
+    m, l, acc = carry
+    j, k_BsKH, v_BsKH = xs
+    visible_BTs = (j * bs + jnp.arange(bs))[None, None, :] <= positions_BT[:, :, None]
+    s = jnp.where(visible_BTs[:, None, None], _scores(q_BTKGH, k_BsKH, scale), _MASKED)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("BKGts,BsKH->BKGtH", p.astype(v_BsKH.dtype), v_BsKH, preferred_element_type=jnp.float32)
+    return (m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv), None
+
+  init = (jnp.full((B, K, N // K, T), _MASKED, jnp.float32), jnp.zeros((B, K, N // K, T), jnp.float32),
+          jnp.zeros((B, K, N // K, T, H), jnp.float32))
+  (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(nb), k_nBsKH, v_nBsKH))
+  out_BKGTH = acc / l[..., None]
+  return jnp.einsum("BKGTH->BTKGH", out_BKGTH).reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
 def _dot_product(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str):
   if implementation == "cudnn":  # causal over each row's valid prefix: cuDNN takes no segment mask
     lengths_B = jnp.sum(segment_ids_BT != 0, axis=1).astype(jnp.int32)

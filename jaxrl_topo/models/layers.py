@@ -113,7 +113,11 @@ class DenseKVCache:
     b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     k_all = self.k_LBSKH.at[layer, b_BT, positions_BT].set(k_BTKH.astype(self.k_LBSKH.dtype), mode="drop")
     v_all = self.v_LBSKH.at[layer, b_BT, positions_BT].set(v_BTKH.astype(self.v_LBSKH.dtype), mode="drop")
-    mask_BTS = jnp.arange(self.max_len)[None, None, :] <= positions_BT[:, :, None]
-    out_BTNH = gqa_attention(q_BTNH, k_all[layer].astype(q_BTNH.dtype), v_all[layer].astype(q_BTNH.dtype),
-                             mask_BTS)
+    k_BSKH, v_BSKH = k_all[layer].astype(q_BTNH.dtype), v_all[layer].astype(q_BTNH.dtype)
+    if T > 1:  # prefill: blockwise over the cache, O(T x block) scratch instead of O(T x max_len)
+      from jaxrl_topo.models.attention import cached_attention
+      out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT)
+    else:
+      mask_BTS = jnp.arange(self.max_len)[None, None, :] <= positions_BT[:, :, None]
+      out_BTNH = gqa_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
     return out_BTNH, self.replace(k_LBSKH=k_all, v_LBSKH=v_all)
