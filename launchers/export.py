@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from jaxrl_topo import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory of launchers/train.py.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Output HF directory.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
@@ -27,4 +29,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.launch(main)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 from absl import app, flags, logging
 
+from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
@@ -47,4 +48,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.launch(main)

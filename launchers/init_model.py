@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from jaxrl_topo import cli
 from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.presets import PRESETS, get_preset
 
@@ -25,4 +26,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.launch(main)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl_topo import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/grpo_task.py:tiny.",
                                           lock_config=True)
 _OUT = flags.DEFINE_string("out", None, "Directory for the record.", required=True)
@@ -42,4 +44,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.launch(main)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 from absl import app, flags, logging
 
+from jaxrl_topo import cli
 from jaxrl_topo.models.presets import PRESETS, get_preset
 from jaxrl_topo.runtime.distributed import DistributedConfig, initialize
 from jaxrl_topo.topology.carve import TopologyConfig
@@ -64,4 +65,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.launch(main)

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grain
+from absl import logging
 
 from jaxrl_topo.data import tasks
 from jaxrl_topo.models.tokenizer import Tokenizer
@@ -159,8 +160,11 @@ def _encode(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
   return tokenizer.encode(text)
 
 
-def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig, tokenizer: Tokenizer) -> PromptSet:
-  """Validates and tokenizes rows; overlong prompts are skipped, truncated (left) or raised per cfg."""
+def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig, tokenizer: Tokenizer,
+                  source: str | None = None) -> PromptSet:
+  """Validates and tokenizes rows (read from `source`, default cfg.source); overlong prompts are
+  skipped, truncated (left) or raised per cfg, and a warning says how many."""
+  source = cfg.source if source is None else source
   examples, n_skipped, n_truncated = [], 0, 0
   for row_index, (where, row) in enumerate(rows):
     example = _example(where, row, cfg)
@@ -178,8 +182,13 @@ def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig,
       ids, n_truncated = ids[-cfg.max_prompt_len:], n_truncated + 1
     examples.append({"prompt_ids": ids, **example, "source_row": row_index})
   if not examples:
-    raise ValueError(f"No prompts left from {cfg.source}: {n_skipped} of {len(rows)} rows are over "
-                     f"max_prompt_len={cfg.max_prompt_len}." if rows else f"No rows in {cfg.source}.")
+    raise ValueError(f"No prompts left from {source}: {n_skipped} of {len(rows)} rows are over "
+                     f"data.max_prompt_len={cfg.max_prompt_len} tokens." if rows else f"No rows in {source}.")
+  if n_skipped or n_truncated:
+    what = "skipped" if n_skipped else "truncated to their last tokens"
+    logging.warning("data: %d of %d prompts in %s are over data.max_prompt_len=%d tokens and were %s "
+                    "(data.overlong=%r; 'truncate' keeps their end, 'error' stops)", n_skipped + n_truncated,
+                    len(rows), source, cfg.max_prompt_len, what, cfg.overlong)
   stats = PromptStats(n_rows=len(rows), n_kept=len(examples), n_skipped=n_skipped, n_truncated=n_truncated)
   return PromptSet(examples=examples, stats=stats)
 
@@ -194,7 +203,7 @@ def load_prompts(cfg: PromptDataConfig, tokenizer: Tokenizer, split: str = "trai
       raise ValueError(f"No held-out prompts: set eval_source for file source {cfg.source!r}.")
   else:
     raise ValueError(f"split must be 'train' or 'heldout', got {split!r}.")
-  return tokenize_rows(_read_rows(source, cfg, split), cfg, tokenizer)
+  return tokenize_rows(_read_rows(source, cfg, split), cfg, tokenizer, source)
 
 
 # ---------------------------------------------------------------------------------------------------

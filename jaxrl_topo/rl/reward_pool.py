@@ -9,6 +9,11 @@ worker processes and scores every failure with `error_score`, counting it:
   timeouts: the call ran past `timeout_s`. Its worker is terminated (SIGTERM, then SIGKILL after a
             grace period), joined and replaced by a fresh one. The pool stays usable.
 
+A function that is simply broken would otherwise score every item `error_score` to the end of the
+run: the circuit breaker (`CircuitBreaker`) raises `RewardsFailing` once a function has failed on
+more than `max_error_frac` of the items of `max_error_calls` consecutive calls (off by default here;
+a run turns it on with `reward.max_error_frac` / `reward.max_error_steps`).
+
 Both counts are in item-scores: a failed call over a chunk of 8 items for one function adds 8.
 
 A batch is cut into chunks of `chunk_size` items (by default, one chunk per worker) and every
@@ -46,6 +51,7 @@ from collections.abc import Sequence
 import numpy as np
 from absl import logging
 
+from jaxrl_topo.cli import UserError
 from jaxrl_topo.rl import rewards
 
 _KILL_GRACE_S = 1.0  # after SIGTERM, this long before SIGKILL
@@ -57,6 +63,8 @@ class RewardResult:
   per_fn: dict[str, np.ndarray]  # function name, as given -> float32[N] unweighted scores (error_score on failure)
   errors: int  # item-scores set to error_score: raised, worker died, wrong length, non-finite
   timeouts: int  # item-scores set to error_score because the call ran past timeout_s
+  failed: dict[str, int] = dataclasses.field(default_factory=dict)  # function name -> items it failed on
+  why: str = ""  # the last failure's reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +114,49 @@ def _vet(out, n: int) -> tuple[np.ndarray | None, str]:
   return scores.astype(np.float32), ""
 
 
-def _result(specs: Sequence[_Spec], scores_FN: np.ndarray, errors: int, timeouts: int) -> RewardResult:
+def _result(specs: Sequence[_Spec], scores_FN: np.ndarray, errors: int, timeouts: int,
+            failed: dict[str, int] | None = None, why: str = "") -> RewardResult:
   weights_F = np.asarray([s.weight for s in specs], dtype=np.float64)
   total_N = (weights_F[:, None] * scores_FN.astype(np.float64)).sum(axis=0).astype(np.float32)
   per_fn = {s.name: scores_FN[k].astype(np.float32) for k, s in enumerate(specs)}
-  return RewardResult(total_N=total_N, per_fn=per_fn, errors=errors, timeouts=timeouts)
+  return RewardResult(total_N=total_N, per_fn=per_fn, errors=errors, timeouts=timeouts, failed=dict(failed or {}),
+                      why=why)
+
+
+class RewardsFailing(UserError):
+  """The circuit breaker: a reward function failed on too many items for too many calls in a row."""
+
+
+@dataclasses.dataclass
+class CircuitBreaker:
+  """Stops a run whose reward function is broken, instead of training on `error_score` to the end: a
+  function that fails (raises, times out, returns garbage) on more than `max_error_frac` of a call's
+  items for `max_calls` consecutive calls (one per step, more with dynamic sampling) raises
+  `RewardsFailing`. `max_calls=0` turns it off."""
+
+  max_error_frac: float = 0.5
+  max_calls: int = 3
+  streak: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def check(self, result: RewardResult, n: int) -> None:
+    if not self.max_calls or not n:
+      return
+    for name, bad in result.failed.items():
+      self.streak[name] = self.streak.get(name, 0) + 1 if bad > self.max_error_frac * n else 0
+      if self.streak[name] >= self.max_calls:
+        raise RewardsFailing(
+            f"reward {name!r} failed on {bad} of {n} items in each of the last {self.streak[name]} scoring calls "
+            f"(reward.max_error_frac={self.max_error_frac}, reward.max_error_steps={self.max_calls}); last "
+            f"failure: {result.why or 'see the warnings above'}. Stopped; the checkpoints saved so far are kept.")
+    for name in set(self.streak) - set(result.failed):
+      self.streak[name] = 0
 
 
 def _score_specs(specs, prompts, completions, metadata, error_score: float, chunk_size: int | None) -> RewardResult:
   n = _batch_size(prompts, completions, metadata)
   metadata = [{}] * n if metadata is None else list(metadata)
   scores_FN = np.full((len(specs), n), error_score, dtype=np.float32)
-  errors = 0
+  errors, failed, last = 0, {}, ""
   for k, spec in enumerate(specs):
     for lo, hi in _chunks(n, chunk_size or n):
       try:
@@ -127,9 +166,10 @@ def _score_specs(specs, prompts, completions, metadata, error_score: float, chun
       if scores is None:
         logging.warning("reward %r %s; items %d:%d scored %s", spec.name, why, lo, hi, error_score)
         errors += hi - lo
+        failed[spec.name], last = failed.get(spec.name, 0) + hi - lo, why
       else:
         scores_FN[k, lo:hi] = scores
-  return _result(specs, scores_FN, errors, 0)
+  return _result(specs, scores_FN, errors, 0, failed, last)
 
 
 def score_inline(fns: Sequence[tuple[str, float]], prompts: Sequence[str], completions: Sequence[str],
@@ -206,12 +246,17 @@ class RewardPool:
   """Weighted reward functions run in `n_workers` killable processes. See the module docstring."""
 
   def __init__(self, fns: Sequence[tuple[str, float]], *, n_workers: int = 2, timeout_s: float = 10.0,
-               error_score: float = 0.0, chunk_size: int | None = None, start_timeout_s: float = 60.0):
+               error_score: float = 0.0, chunk_size: int | None = None, start_timeout_s: float = 60.0,
+               max_error_frac: float = 0.5, max_error_calls: int = 0):
     if n_workers < 0 or timeout_s <= 0 or (chunk_size is not None and chunk_size < 1):
       raise ValueError(f"need n_workers >= 0, timeout_s > 0, chunk_size >= 1 or None; got n_workers={n_workers}, "
                        f"timeout_s={timeout_s}, chunk_size={chunk_size}")
     if not math.isfinite(error_score):
       raise ValueError(f"error_score must be finite, got {error_score}")
+    if not 0 <= max_error_frac <= 1 or max_error_calls < 0:
+      raise ValueError(f"need 0 <= max_error_frac <= 1 and max_error_calls >= 0; got {max_error_frac}, "
+                       f"{max_error_calls}")
+    self.breaker = CircuitBreaker(max_error_frac, max_error_calls)
     self._specs = _resolve_all(fns)  # fails here, before any worker starts
     self.n_workers, self.timeout_s, self.error_score, self.chunk_size = n_workers, timeout_s, error_score, chunk_size
     self._start_timeout_s = start_timeout_s
@@ -270,7 +315,9 @@ class RewardPool:
     elif kind == "init_error":
       raise RuntimeError(f"a reward worker could not resolve its functions: {payload}")
     elif not w.ready:
-      raise RuntimeError(f"a reward worker died while starting (exit code {w.proc.exitcode})")
+      raise RuntimeError(f"a reward worker died while starting (exit code {w.proc.exitcode}). Workers are spawned "
+                         "and import your main module again: a script that starts training must do so under "
+                         "`if __name__ == \"__main__\":`")
     elif kind == "died":
       w.proc.join(_KILL_GRACE_S)  # reap it, so that its exit code is known
       outcomes[w.call] = (None, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
@@ -283,11 +330,14 @@ class RewardPool:
 
   def score(self, prompts: Sequence[str], completions: Sequence[str],
             metadata: Sequence[dict] | None = None) -> RewardResult:
-    """Scores a batch with every function; failures get `error_score` and are counted (never raised)."""
+    """Scores a batch with every function; failures get `error_score` and are counted, and raise
+    `RewardsFailing` only through the circuit breaker (`self.breaker`)."""
     if self._closed:
       raise RuntimeError("RewardPool is closed")
     if not self._workers:
-      return _score_specs(self._specs, prompts, completions, metadata, self.error_score, self.chunk_size)
+      result = _score_specs(self._specs, prompts, completions, metadata, self.error_score, self.chunk_size)
+      self.breaker.check(result, len(completions))
+      return result
     n = _batch_size(prompts, completions, metadata)
     metadata = [{}] * n if metadata is None else list(metadata)
     prompts, completions = list(prompts), list(completions)
@@ -310,18 +360,22 @@ class RewardPool:
     except BaseException:  # e.g. Ctrl-C mid-call: workers hold stale calls, so the pool cannot go on
       self.close()
       raise
-    return self._assemble(outcomes, n)
+    result = self._assemble(outcomes, n)
+    self.breaker.check(result, n)
+    return result
 
   def _assemble(self, outcomes: dict, n: int) -> RewardResult:
     scores_FN = np.full((len(self._specs), n), self.error_score, dtype=np.float32)
-    counts = {"error": 0, "timeout": 0}
+    counts, failed, last = {"error": 0, "timeout": 0}, {}, ""
     for (k, lo, hi), (scores, kind, why) in outcomes.items():
       if scores is None:
         logging.warning("reward %r %s; items %d:%d scored %s", self._specs[k].name, why, lo, hi, self.error_score)
         counts[kind] += hi - lo
+        name = self._specs[k].name
+        failed[name], last = failed.get(name, 0) + hi - lo, why
       else:
         scores_FN[k, lo:hi] = scores
-    return _result(self._specs, scores_FN, counts["error"], counts["timeout"])
+    return _result(self._specs, scores_FN, counts["error"], counts["timeout"], failed, last)
 
   def close(self) -> None:
     """Stops and joins every worker. Idempotent."""

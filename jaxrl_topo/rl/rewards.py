@@ -21,7 +21,9 @@ not handle symbolic equivalence, for example 2\\sqrt{2} against \\sqrt{8}.
 """
 
 import importlib
+import os
 import re
+import sys
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Protocol
@@ -189,9 +191,10 @@ def format_reward(prompts: list[str], completions: list[str], metadata: list[dic
 def resolve(path: str) -> RewardFn:
   """The reward function named by a built-in name (`BUILTINS`) or an import path "pkg.module:fn".
 
-  The attribute may be dotted ("pkg.module:Class.method"). Raises ValueError, naming the path, for a
-  malformed path, a module that is missing or fails to import, a missing attribute, or an object
-  that is not callable.
+  The attribute may be dotted ("pkg.module:Class.method"). Modules are found on sys.path and in
+  the current directory (`my_reward.py` where you run the launcher is "my_reward:fn"). Raises
+  ValueError, naming the path, for a malformed path, a module that is missing or fails to import,
+  a missing attribute, or an object that is not callable.
   """
   if not isinstance(path, str):
     raise ValueError(f"reward must be a name or an import path string, got {type(path).__name__}: {path!r}")
@@ -201,6 +204,8 @@ def resolve(path: str) -> RewardFn:
     raise ValueError(f"{what}: expected a built-in name ({', '.join(BUILTINS)}) or an import path "
                      "'pkg.module:fn'")
   module_name, attr = m.groups()
+  if os.getcwd() not in sys.path and "" not in sys.path:  # a reward module beside the user, as `python -c` finds it
+    sys.path.append(os.getcwd())
   try:
     obj = importlib.import_module(module_name)
   except ModuleNotFoundError as e:

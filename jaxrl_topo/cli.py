@@ -1,0 +1,137 @@
+"""What every launcher shares: one-line user errors, quiet libraries, and a prompt exit across processes.
+
+`launch(main)` stands in for absl's `app.run(main)` in launchers/*.py:
+
+- A user-facing error (a bad config value or key, a missing file or model directory, bad data, a
+  topology that does not fit: `ValueError`, `OSError`, `UserError`) prints `error: <message>` on
+  stderr and exits with status 2, without a traceback; `--traceback` shows it. Any other exception
+  is a bug: its traceback is printed and the status is 1.
+- In a multi-process run (jax.distributed started), a failing process leaves at once (`os._exit`)
+  instead of waiting in jax.distributed's shutdown barrier for processes that are still working;
+  the local launcher (or a cluster's scheduler) sees it fail and stops the others.
+- INFO lines from libraries (orbax, jax, grain, ...) are dropped; this project's own INFO lines stay.
+  `--library_logs` keeps them all.
+"""
+
+from __future__ import annotations
+
+import logging as std_logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+_TRACEBACK = flags.DEFINE_bool("traceback", False, "On an error, show the full traceback, not only the message.")
+_LIBRARY_LOGS = flags.DEFINE_bool("library_logs", False, "Keep the INFO log lines of libraries (orbax, jax, ...).")
+
+USER_ERROR_EXIT = 2
+_OURS = tuple(os.path.dirname(os.path.abspath(p)) + os.sep
+              for p in (__file__, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                               "launchers", "x")))
+
+
+class UserError(Exception):
+  """An error in what the user asked for (not a bug): shown as one line."""
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Passes warnings and errors from anywhere, INFO/DEBUG only from this project's own files."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or os.path.abspath(record.pathname).startswith(_OURS)
+
+
+_FILTER = _QuietLibraries()
+
+
+def quiet_libraries() -> None:
+  """Installs the filter on the root logger's handlers (absl's included, which libraries log through)."""
+  handlers = list(std_logging.getLogger().handlers)
+  absl_handler = absl_logging.get_absl_handler()
+  if absl_handler not in handlers:
+    handlers.append(absl_handler)
+  for h in handlers:
+    if _FILTER not in h.filters:
+      h.addFilter(_FILTER)
+
+
+def _flags_parsed() -> bool:
+  return flags.FLAGS.is_parsed()
+
+
+def is_user_error(e: BaseException) -> bool:
+  """ValueError, OSError, UserError; a KeyError/AttributeError only from parsing `--config.x=v`."""
+  if isinstance(e, ValueError | OSError | UserError):
+    return True
+  return isinstance(e, KeyError | AttributeError) and not _flags_parsed()
+
+
+def message(e: BaseException) -> str:
+  """The error's own words: ml-collections' key errors arrive as an escaped repr inside a KeyError
+  inside an AttributeError, unwrapped here."""
+  inner = e
+  while isinstance(inner, KeyError | AttributeError) and len(inner.args) == 1 and isinstance(
+      inner.args[0], KeyError | AttributeError | str):
+    if isinstance(inner.args[0], str):
+      text = inner.args[0]
+      key, _, hint = text.partition("\n")
+      return f"no config key {key}" + (f". {hint}" if hint else "") if isinstance(inner, KeyError) else text
+    inner = inner.args[0]
+  return str(e) or type(e).__name__
+
+
+def _distributed() -> bool:
+  if "jax" not in sys.modules:
+    return False
+  try:
+    from jax._src import distributed
+    return distributed.global_state.client is not None
+  except Exception:  # noqa: BLE001 - an unknown jax layout: behave as a single process
+    return False
+
+
+def _leave(code: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if _distributed():  # skip the shutdown barrier: the other processes may never reach it
+    os._exit(code)
+  sys.exit(code)
+
+
+def _want_traceback() -> bool:
+  if _flags_parsed():
+    return bool(_TRACEBACK.value)
+  return any(a in ("--traceback", "-traceback", "--traceback=true") for a in sys.argv[1:])  # failed parsing
+
+
+def launch(main: Callable[[list[str]], None]) -> None:
+  """absl's app.run(main) with the behaviour described in the module doc."""
+
+  def wrapped(argv):
+    if not _LIBRARY_LOGS.value:
+      quiet_libraries()
+    return main(argv)
+
+  try:
+    app.run(wrapped)
+  except SystemExit as e:
+    if e.code not in (0, None) and _distributed():
+      _leave(e.code if isinstance(e.code, int) else 1)
+    raise
+  except KeyboardInterrupt:
+    _leave(130)
+  except Exception as e:  # noqa: BLE001 - every failure ends here, shown once
+    pid = ""
+    if _distributed():
+      import jax
+      pid = f"[process {jax.process_index()}] "
+    if is_user_error(e) and not _want_traceback():
+      print(f"error: {pid}{message(e)}\n(run with --traceback to see where it was raised)", file=sys.stderr)
+      _leave(USER_ERROR_EXIT)
+    traceback.print_exc()
+    if pid:
+      print(f"error: {pid}{type(e).__name__}: {message(e)}", file=sys.stderr)
+    _leave(USER_ERROR_EXIT if is_user_error(e) else 1)

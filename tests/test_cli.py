@@ -1,0 +1,125 @@
+"""What a user sees when things go wrong: launchers through subprocess, as a user runs them.
+
+A failure in one process of a multi-process run ends every process promptly with the first error
+shown; user-facing errors are one line without a traceback (`--traceback` shows it)."""
+
+import os
+import subprocess
+import sys
+
+from launchers import local_multiprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(ROOT, "tests", "mp_failing_child.py")
+
+
+def _env(**extra) -> dict:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **extra}
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def test_local_multiprocess_stops_the_others_when_one_fails(capfd):
+  """Process 1 exits 3 at once; process 0 would sleep 10 minutes. Before: the launcher waited on
+  process 0 first, so it ran into the timeout (124)."""
+  code = "import os, sys, time; sys.exit(3) if os.environ['JAXRL_PROCESS_ID'] == '1' else time.sleep(600)"
+  rc = local_multiprocess.run([sys.executable, "-c", code], num_processes=2, devices_per_process=1, timeout_s=60)
+  err = capfd.readouterr().err
+  assert rc == 3, err
+  assert "process 1 failed (exit code 3); stopped process 0" in err
+
+
+def test_a_failing_process_ends_the_run_with_its_error(capfd, monkeypatch):
+  """Under jax.distributed, process 1 raises; process 0 waits at a barrier. Before: process 1 hung in
+  jax.distributed's shutdown barrier, so nothing ever exited (the launcher timed out)."""
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  rc = local_multiprocess.run([sys.executable, CHILD, "--mode=fail"], num_processes=2, devices_per_process=1,
+                              timeout_s=120)
+  out, err = capfd.readouterr()
+  assert rc == 2, out + err
+  assert "error: [process 1] process 1 gives up on purpose" in out
+  assert "Traceback" not in out
+
+
+def test_warm_up_dev_accuracy_on_every_process(capfd, monkeypatch, tmp_path):
+  """The warm-up's accuracy check with params held by process 0 only (async / disaggregated across
+  processes) and spanning both. Before: process 1 failed reading arrays it does not hold."""
+  from jaxrl_topo.models.fresh import write_fresh_model
+  from jaxrl_topo.models.presets import get_preset
+
+  write_fresh_model(str(tmp_path / "m"), get_preset("tiny"), seed=0)
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  rc = local_multiprocess.run([sys.executable, CHILD, "--mode=dev_accuracy", f"--model_dir={tmp_path / 'm'}"],
+                              num_processes=2,
+                              devices_per_process=2, timeout_s=300)
+  out = capfd.readouterr().out
+  assert rc == 0, out[-4000:]
+  rows = [line.split() for line in out.splitlines() if "DEV-ACCURACY" in line]
+  got = {(r[0], r[2]): r[3] for r in rows}
+  assert set(got) == {(p, n) for p in ("[p0]", "[p1]") for n in ("one_holder", "spanning")}, out[-3000:]
+  assert got[("[p0]", "one_holder")] == got[("[p1]", "one_holder")] == got[("[p0]", "spanning")]
+
+
+# ---------------------------------------------------------------- launchers/train.py's user-facing errors
+
+TRAIN = os.path.join(ROOT, "launchers", "train.py")
+TINY = f"--config={os.path.join(ROOT, 'configs', 'grpo_task.py')}:tiny"
+
+
+def _train(*args, cwd=ROOT, timeout=120) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                        env=_env())
+
+
+def test_missing_config_is_a_usage_error(tmp_path):
+  """Before: TypeError: 'NoneType' object is not iterable, with a traceback."""
+  r = _train(f"--workdir={tmp_path / 'w'}")
+  assert r.returncode != 0 and "--config is required" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_config_typo_is_one_plain_line(tmp_path):
+  """Before: three chained tracebacks ending in an escaped repr ('\\'group_sze\\'\\nDid you mean...')."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_sze=3")
+  assert r.returncode == 2, r.stderr
+  assert "error: no config key 'group_sze'. Did you mean \"group_size\"" in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr and "\\n" not in r.stderr
+
+
+def test_invalid_value_without_then_with_traceback(tmp_path):
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_size=1")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert "error: " in r.stderr and "group_size must be >= 2" in r.stderr and "--traceback" in r.stderr
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_size=1", "--traceback")
+  assert r.returncode == 2 and "Traceback (most recent call last)" in r.stderr, r.stderr
+  assert not (tmp_path / "w").exists(), "nothing is written for a config that does not validate"
+
+
+def test_missing_model_dir_is_named_and_the_workdir_is_not_made(tmp_path):
+  """Before: the FileNotFoundError came after the workdir and its checkpoints/ were made, followed by an
+  unrelated orbax traceback."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", f"--config.model.hf_dir={tmp_path / 'nope'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert f"model.hf_dir='{tmp_path / 'nope'}': no config.json" in r.stderr
+  assert not (tmp_path / "w").exists()
+
+
+def test_prompt_plus_response_over_the_position_limit(tmp_path):
+  """Before: nothing checked it (the tiny preset's limit is 512 positions)."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.data.max_prompt_len=500",
+             "--config.rollout.max_new_tokens=100")
+  assert r.returncode == 2 and "= 600 > the model's position limit 512" in r.stderr, r.stderr
+
+
+def test_a_workdir_of_another_run_is_refused_untouched(tmp_path):
+  """A changed identity key (here the preset's init seed) is named and config.json is left as it was.
+  Before: config.json was overwritten first and the old checkpoint silently resumed under the new config."""
+  from jaxrl_topo.runtime.config import config_from_file
+
+  work = tmp_path / "w"
+  (work / "checkpoints" / "4").mkdir(parents=True)  # a run of the tiny preset with seed 0 saved step 4
+  old = config_from_file(os.path.join(ROOT, "configs", "grpo_task.py"), "tiny").to_json(indent=2)
+  (work / "config.json").write_text(old)
+  r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7")
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert "holds another run" in r.stderr and "model.init_seed: 0 -> 7" in r.stderr and "--fresh" in r.stderr
+  assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()

@@ -1,0 +1,91 @@
+"""Nothing lost silently: over-long prompts are counted aloud, errors name the file at fault, a custom
+reward beside the user imports, and a reward function that keeps failing stops the run."""
+
+import json
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrl_topo.data import pipeline
+from jaxrl_topo.models import tokenizer as tk
+from jaxrl_topo.rl import rewards
+from jaxrl_topo.rl.reward_pool import CircuitBreaker, RewardPool, RewardResult, RewardsFailing
+
+M = "reward_fns_for_tests:"
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tk.Tokenizer(tok=tk.build_char_tokenizer(), chat_template=tk.CHATML_TEMPLATE)
+
+
+def _jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_overlong_prompts_are_counted_in_a_warning(tmp_path, tok, caplog):
+  """Before: `overlong=skip` dropped rows without a word."""
+  src = _jsonl(tmp_path / "p.jsonl", [{"prompt": "ab" * (1 + 10 * (i % 2)), "answer": "x"} for i in range(8)])
+  cfg = pipeline.PromptDataConfig(source=src, max_prompt_len=8)
+  with caplog.at_level(logging.WARNING):
+    got = pipeline.load_prompts(cfg, tok)
+  assert got.stats.n_skipped == 4 and len(got.examples) == 4
+  assert any(f"4 of 8 prompts in {src} are over data.max_prompt_len=8 tokens and were skipped" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_an_empty_eval_file_is_named(tmp_path, tok):
+  """Before: the error named the training file."""
+  train = _jsonl(tmp_path / "train.jsonl", [{"prompt": "ab", "answer": "x"}])
+  (tmp_path / "eval.jsonl").write_text("")
+  cfg = pipeline.PromptDataConfig(source=train, eval_source=str(tmp_path / "eval.jsonl"))
+  with pytest.raises(ValueError, match=r"No rows in .*eval\.jsonl"):
+    pipeline.load_prompts(cfg, tok, "heldout")
+
+
+def test_a_reward_module_in_the_working_directory_imports(tmp_path, monkeypatch):
+  """Before: `my_reward:fn` beside the user needed PYTHONPATH=. (the launcher's directory is on sys.path,
+  not the working directory)."""
+  (tmp_path / "my_cwd_reward.py").write_text("def fn(prompts, completions, metadata):\n"
+                                             "  return [1.0] * len(completions)\n")
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+  monkeypatch.delitem(sys.modules, "my_cwd_reward", raising=False)
+  assert rewards.resolve("my_cwd_reward:fn")([""], ["a"], [{}]) == [1.0]
+
+
+def _result(failed: dict, n: int) -> RewardResult:
+  return RewardResult(total_N=np.zeros(n, np.float32), per_fn={}, errors=sum(failed.values()), timeouts=0,
+                      failed=failed, why="raised RuntimeError: boom")
+
+
+def test_circuit_breaker_counts_consecutive_calls_over_the_fraction():
+  b = CircuitBreaker(max_error_frac=0.5, max_calls=3)
+  for failed in ({"f": 8}, {"f": 8}, {}, {"f": 5}, {"f": 4}, {"f": 8}, {"f": 8}):  # 4 of 8 is not over 0.5
+    b.check(_result(failed, 8), 8)
+  with pytest.raises(RewardsFailing, match=r"reward 'f' failed on 8 of 8 items in each of the last 3 scoring calls"):
+    b.check(_result({"f": 8}, 8), 8)
+  off = CircuitBreaker(max_error_frac=0.0, max_calls=0)
+  for _ in range(5):
+    off.check(_result({"f": 8}, 8), 8)
+
+
+def test_pool_with_a_breaker_stops_an_always_failing_reward():
+  """Before: a reward failing on every item was scored error_score to the end of the run."""
+  with RewardPool([(M + "raises", 1.0), (M + "one", 1.0)], n_workers=0, max_error_calls=2) as pool:
+    pool.score([""] * 4, list("abcd"))
+    with pytest.raises(RewardsFailing, match=r"reward 'reward_fns_for_tests:raises'.*last failure: raised "
+                                              r"RuntimeError: boom"):
+      pool.score([""] * 4, list("abcd"))
+  with RewardPool([(M + "raises_on_bad", 1.0)], n_workers=0, max_error_calls=2, chunk_size=1) as pool:
+    for _ in range(3):  # one bad item of four is under the fraction
+      pool.score([""] * 4, ["a", "bad", "c", "d"])
+
+
+def test_user_errors_are_one_line():
+  from jaxrl_topo import cli
+  assert cli.is_user_error(RewardsFailing("x")) and cli.is_user_error(FileNotFoundError("x"))
+  assert not cli.is_user_error(TypeError("x"))
