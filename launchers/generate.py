@@ -2,11 +2,18 @@
 
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
+      [--stop="</answer>" --stop="\n\n"]
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
+A completion that contains a --stop string ends right after it (its tokens and log-probs cut to the
+shortest prefix whose text holds the stop string; finish_reason "stop"). Checked before any work: the
+model directory, --out not being --prompts, and every prompt + max_new_tokens against the model's
+position limit (max_position_embeddings).
 """
 
+import json
+import os
 from collections.abc import Sequence
 
 import jax
@@ -32,17 +39,64 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences decoded together.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the batch).")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
+_STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
+
+
+def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):
+  """The tokenizer (or None), after the checks that need no devices; raises with the flag at fault."""
+  from jaxrl_topo.data.pipeline import read_jsonl
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
+  if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    raise FileNotFoundError(f"--model={model_dir}: no config.json there (expected a local Hugging Face model "
+                            "directory, e.g. from launchers/init_model.py or launchers/export.py)")
+  if not os.path.isfile(prompts_path):
+    raise FileNotFoundError(f"--prompts={prompts_path}: no such file")
+  if os.path.realpath(out_path) == os.path.realpath(prompts_path):
+    raise ValueError(f"--out={out_path} is the --prompts file: writing it would destroy the input")
+  tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+  if _STOP.value and tokenizer is None:
+    raise ValueError(f"--stop needs the text of completions: {model_dir} has no tokenizer.json")
+  limit = hf_io.read_config(model_dir).max_position
+  prompts = generate.read_prompts(prompts_path, tokenizer, chat)
+  wheres = [where for where, _ in read_jsonl(prompts_path)]
+  for where, ids in zip(wheres, prompts, strict=True):
+    if len(ids) + max_new_tokens > limit:
+      raise ValueError(f"{where}: the prompt's {len(ids)} tokens + --max_new_tokens={max_new_tokens} exceed the "
+                       f"model's position limit {limit} (max_position_embeddings)")
+  return tokenizer
+
+
+def apply_stops(rows: list[dict], tokenizer, stops: Sequence[str]) -> list[dict]:
+  """Each row cut right after the first stop string its text contains (finish_reason "stop")."""
+  out = []
+  for r in rows:
+    text = r.get("text") or ""
+    if not any(s in text for s in stops):
+      out.append(r)
+      continue
+    ids = r["completion_ids"]
+    k = next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stops))
+    out.append({**r, "completion_ids": ids[:k], "logprobs": r["logprobs"][:k], "text": tokenizer.decode(ids[:k]),
+                "finish_reason": "stop"})
+  return out
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  tokenizer = check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   sampling = SamplingConfig(greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, min_p=_MIN_P.value)
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
                       data=_DATA.value, tensor=_TENSOR.value)
+  if _STOP.value:
+    rows = apply_stops(rows, tokenizer, _STOP.value)
+    with open(_OUT.value, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
   stops = sum(r["finish_reason"] == "stop" for r in rows)
   print(f"wrote {len(rows)} completions to {_OUT.value} ({stops} stopped, {len(rows) - stops} hit the length limit)")
 
