@@ -1,10 +1,16 @@
 """Write a randomly initialised model of a preset as a local HF directory (char tokenizer included).
 
   python launchers/init_model.py --preset=tiny --out=runs/tiny_model [--seed=0]
+  python launchers/init_model.py --preset=qwen2.5-0.5b --out=runs/q05 --tokenizer_from=/models/Qwen2.5-0.5B
 
-The directory loads with `launchers/generate.py --model=...` and with `transformers`.
+The directory loads with `launchers/generate.py --model=...` and with `transformers`. The built-in
+char tokenizer covers a few hundred ids; for a preset with a real vocabulary, `--tokenizer_from=DIR`
+copies that model's tokenizer (tokenizer*.json, special tokens, chat template, generation_config.json
+for its EOS ids) instead, and without it a note says how much of the vocabulary the tokenizer covers.
 """
 
+import os
+import shutil
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -16,13 +22,47 @@ from jaxrl_topo.models.presets import PRESETS, get_preset
 _PRESET = flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Model shape.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write.", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed.")
+_TOKENIZER_FROM = flags.DEFINE_string("tokenizer_from", None, "A local HF directory whose tokenizer to ship instead "
+                                      "of the char tokenizer (its vocabulary must fit the preset's).")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "generation_config.json")
+
+
+def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
+  """Copies `src`'s tokenizer files over the char tokenizer's; returns their names."""
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
+  if not os.path.isfile(os.path.join(src, "tokenizer.json")):
+    raise FileNotFoundError(f"--tokenizer_from={src}: no tokenizer.json there")
+  n = Tokenizer.from_dir(src).tok.get_vocab_size(with_added_tokens=True)
+  if n > vocab_size:
+    raise ValueError(f"--tokenizer_from={src}: its {n} tokens do not fit the preset's vocab_size {vocab_size}")
+  copied = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+  for name in copied:
+    shutil.copy(os.path.join(src, name), os.path.join(out, name))
+  return copied
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  write_fresh_model(_OUT.value, get_preset(_PRESET.value), _SEED.value)
+  cfg = get_preset(_PRESET.value)
+  if _TOKENIZER_FROM.value and not os.path.isfile(os.path.join(_TOKENIZER_FROM.value, "tokenizer.json")):
+    raise FileNotFoundError(f"--tokenizer_from={_TOKENIZER_FROM.value}: no tokenizer.json there")
+  write_fresh_model(_OUT.value, cfg, _SEED.value)
+  if _TOKENIZER_FROM.value:
+    copied = copy_tokenizer(_TOKENIZER_FROM.value, _OUT.value, cfg.vocab_size)
+    print(f"wrote a fresh {_PRESET.value} model to {_OUT.value} with the tokenizer of {_TOKENIZER_FROM.value} "
+          f"({', '.join(copied)})")
+    return
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
+  covered = Tokenizer.from_dir(_OUT.value).tok.get_vocab_size(with_added_tokens=True)
   print(f"wrote a fresh {_PRESET.value} model to {_OUT.value}")
+  if covered < cfg.vocab_size // 2:
+    print(f"note: its char tokenizer covers {covered} of the model's {cfg.vocab_size:,} token ids, so text in and out "
+          "is limited to those characters; --tokenizer_from=DIR ships a real model's tokenizer instead")
 
 
 if __name__ == "__main__":

@@ -76,3 +76,13 @@ def test_stop_strings_end_a_completion(tmp_path, model):
   assert cut[0]["completion_ids"] == full[0]["completion_ids"][:n] and len(cut[0]["logprobs"]) == n
   for a, b in zip(full[1:], cut[1:], strict=True):  # rows without the stop string are unchanged
     assert (stop in a["text"]) or a == b
+
+
+def test_init_model_ships_another_models_tokenizer(tmp_path, model):
+  """Before: there was no --tokenizer_from (a real preset shipped the char tokenizer alone, silently)."""
+  init = os.path.join(ROOT, "launchers", "init_model.py")
+  r = _run(init, "--preset=tiny", f"--out={tmp_path / 'm'}", f"--tokenizer_from={model}")
+  assert r.returncode == 0 and "with the tokenizer of" in r.stdout, r.stderr[-3000:]
+  assert (tmp_path / "m" / "tokenizer.json").read_text() == (model / "tokenizer.json").read_text()
+  r = _run(init, "--preset=tiny", f"--out={tmp_path / 'n'}", f"--tokenizer_from={tmp_path / 'nope'}")
+  assert r.returncode == 2 and "no tokenizer.json there" in r.stderr and not (tmp_path / "n").exists(), r.stderr
