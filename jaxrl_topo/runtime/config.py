@@ -11,6 +11,7 @@ The ConfigDict of `configs/<name>.py` has one section per dataclass below:
   lora      LoraConfig
   train     TrainSpec          packing, remat, where the log-prob pre-pass runs
   topology  TopologyConfig     the mode and each side's mesh axes (topology/carve.py)
+  sync      SyncSpec           how the trainer's weights reach the rollout side (full | delta | lora, bucket size)
   run       RunSpec            steps, evaluation, checkpoints, staleness bound, logging
 
 `from_config_dict` converts and validates every field before anything compiles: an unknown key is
@@ -144,6 +145,10 @@ class RewardSpec:
   n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
   timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
   error_score: float = 0.0
+  # Circuit breaker (rl/reward_pool.py): a function failing on more than this fraction of the items of
+  # `max_error_steps` consecutive scoring calls stops the run with an error (checkpoints kept); 0 steps = off.
+  max_error_frac: float = 0.5
+  max_error_steps: int = 3
   dynamic_sampling: bool = False  # DAPO: drop groups with zero reward variance, sample more prompts
   max_sampling_rounds: int = 4  # dynamic sampling gives up (trains on what it has) after this many
   overlong_buffer: int = 0  # DAPO soft overlong: the last `buffer` tokens before max_new_tokens cost
@@ -157,6 +162,8 @@ class RewardSpec:
       raise ValueError('reward.fn="model" needs reward.model_dir (an HF *ForSequenceClassification directory)')
     if self.model_batch_size < 1:
       raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
+    if not 0 <= self.max_error_frac <= 1 or self.max_error_steps < 0:
+      raise ValueError("reward: 0 <= max_error_frac <= 1, max_error_steps >= 0")
 
   @property
   def fns(self) -> tuple[tuple[str, float], ...]:
@@ -174,8 +181,13 @@ class RunSpec:
   eval_every: int = 0  # held-out accuracy every N steps (0: only before and after)
   eval_size: int = 0  # held-out prompts per evaluation (0: all)
   max_staleness: int = 1  # eta, in weight versions: disaggregated uses 1 (0 = no overlap); async >= 1
-  land_after_chunks: int = 4  # async: a finished train step's weights land at most this many chunks late
-  checkpoint_every: int = 0  # 0: only at the end
+  # True: every landing decision is a function of step and chunk counters (async: a step's weights land
+  # after `land_after_chunks` decode chunks, waiting for the step if it is still running): bit-reproducible
+  # runs and tests. False: async lands a finished step's weights at the next decode-chunk boundary and waits
+  # only when eta forces it. Multi-process runs always take the counter schedule (every process decides alike).
+  deterministic: bool = False
+  land_after_chunks: int = 4  # deterministic async: a finished train step's weights land after this many chunks
+  checkpoint_every: int = 10  # steps between checkpoints (0: only at the end); at most this many steps are redone
   keep_checkpoints: int = 2
   log_every: int = 1
   tensorboard: bool = True
@@ -193,6 +205,31 @@ class RunSpec:
       raise ValueError("run: steps >= 0, n_micro >= 1, max_staleness >= 0, land_after_chunks >= 1")
 
 
+SYNC_MODES = ("full", "delta", "lora")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+  """Weight sync after every train step (topology/transfer.py TransferPlan), trainer -> rollout layout."""
+
+  # full: every bucket, cast to the rollout dtype; delta: only the buckets whose cast values changed bitwise
+  # (logs sync/changed_frac); lora: only the LoRA adapters (fp32), merged into the rollout's own base copy.
+  mode: str = "full"
+  # Destination MiB per bucket. The old rollout weights are freed bucket by bucket just before each new
+  # bucket lands, so a sync needs about one bucket of extra rollout memory (not a second copy).
+  bucket_mib: float = 64.0
+
+  def __post_init__(self):
+    if self.mode not in SYNC_MODES:
+      raise ValueError(f"sync.mode={self.mode!r}; expected one of {SYNC_MODES}")
+    if not self.bucket_mib > 0:
+      raise ValueError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
+
+  @property
+  def bucket_bytes(self) -> int:
+    return max(1, int(self.bucket_mib * 2**20))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   model: ModelSpec
@@ -205,9 +242,12 @@ class RunConfig:
   topology: TopologyConfig
   run: RunSpec
   train: TrainSpec = TrainSpec()
+  sync: SyncSpec = SyncSpec()
 
   def __post_init__(self):
     mode = self.topology.mode
+    if self.sync.mode == "lora" and not self.lora.enabled:
+      raise ValueError("sync.mode='lora' ships LoRA adapters: it needs LoRA (lora.rank > 0)")
     if mode == "colocated" and self.run.max_staleness != 0:
       object.__setattr__(self, "run", dataclasses.replace(self.run, max_staleness=0))  # nothing overlaps
     if mode == "async" and self.run.max_staleness < 1:
@@ -307,7 +347,8 @@ def build_dataclass(cls, value: Any, where: str):
 
 
 _SECTIONS = {"model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec, "reward": RewardSpec,
-             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec, "train": TrainSpec}
+             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec, "train": TrainSpec,
+             "sync": SyncSpec}
 
 
 def from_config_dict(config: Any) -> RunConfig:
@@ -383,4 +424,5 @@ def base_config_dict():
   c.topology = dict(mode="colocated", trainer={"data": 1, "fsdp": 1, "tensor": 1}, rollout={"data": 1, "tensor": 1},
                     reward_devices=0)
   c.run = _defaults(RunSpec)
+  c.sync = _defaults(SyncSpec)
   return c

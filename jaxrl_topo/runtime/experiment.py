@@ -3,7 +3,7 @@
 Order: carve the devices (topology), load the policy (a local HF directory; a preset is first written
 as one, with the built-in char tokenizer, so both paths are the same), place it on the trainer mesh
 (TRAIN_RULES), build the train state and its jitted step, a rollout copy on the rollout mesh
-(ROLLOUT_RULES) through a TransferPlan, the rollout engine, the reward worker pool and the prompts.
+(ROLLOUT_RULES) through a TransferPlan (runtime/sync.py), the rollout engine, the reward worker pool and the prompts.
 Every size is checked here, so a bad config fails before anything is compiled.
 """
 
@@ -32,12 +32,11 @@ from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
 from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import MODEL_REWARD, RunConfig
+from jaxrl_topo.runtime.sync import WeightSync
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
-from jaxrl_topo.topology.hostcomm import to_host
+from jaxrl_topo.topology.hostcomm import broadcast, to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding
-from jaxrl_topo.topology.transfer import TransferPlan
 from jaxrl_topo.train.batch import Completion, build_batch
-from jaxrl_topo.train.lora import merge_lora
 from jaxrl_topo.train.optim import make_optimizer
 from jaxrl_topo.train.policy import PolicyFns, model_fns
 from jaxrl_topo.train.sft import make_sft_step
@@ -57,7 +56,7 @@ class Experiment:
   state: TrainState
   step_fn: object  # the jitted train step (state donated)
   logprobs_fn: object | None  # the jitted "logprobs" phase (reference log-probs, old values), None if unused
-  plan: TransferPlan  # trainer params -> rollout layout
+  sync: WeightSync  # trainer params -> rollout layout (sync.mode)
   engine: RolloutEngine
   rewards: RewardPool
   reward_model: RewardModel | None  # reward.model_dir, on the "reward" role's mesh (else the rollout's)
@@ -105,7 +104,20 @@ def split_stops(tokenizer: Tokenizer, stops) -> tuple[tuple[int, ...], tuple[str
 
 def dev_accuracy(cfg: RunConfig, graphdef, params, tokenizer: Tokenizer, examples: list[dict]) -> float:
   """Greedy accuracy (the main reward's mean) on `examples` with the dense decoder; single-token stop
-  strings end a completion like EOS."""
+  strings end a completion like EOS. The same number on every process of a multi-process run: when
+  one process holds all of `params` it decodes and tells the others (who cannot read its arrays);
+  when they span processes, each decodes a host copy (hostcomm) on its own first device."""
+  if jax.process_count() == 1:
+    return _dev_accuracy(cfg, graphdef, params, tokenizer, examples)
+  holders = sorted({d.process_index for x in jax.tree.leaves(params) for d in x.sharding.device_set})
+  if len(holders) > 1:
+    local = jax.device_put(to_host(params), jax.local_devices()[0])
+    return _dev_accuracy(cfg, graphdef, local, tokenizer, examples)
+  acc = _dev_accuracy(cfg, graphdef, params, tokenizer, examples) if jax.process_index() == holders[0] else None
+  return broadcast(acc, src=holders[0])
+
+
+def _dev_accuracy(cfg: RunConfig, graphdef, params, tokenizer: Tokenizer, examples: list[dict]) -> float:
   stop_ids, _ = split_stops(tokenizer, cfg.rollout.stop)
   decode = DecodeConfig(max_new_tokens=cfg.rollout.max_new_tokens, sampling=SamplingConfig(greedy=True),
                         eos_ids=tuple(tokenizer.eos_token_ids) + stop_ids, pad_id=tokenizer.pad_token_id or 0)
@@ -187,7 +199,8 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   if cfg.run.eval_size:
     heldout = heldout[: cfg.run.eval_size]
   rewards = RewardPool(cfg.reward.fns, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
-                       error_score=cfg.reward.error_score)
+                       error_score=cfg.reward.error_score, max_error_frac=cfg.reward.max_error_frac,
+                       max_error_calls=cfg.reward.max_error_steps)
 
   _, _, params = hf_io.load_model(model_dir, topology.trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   tcfg = cfg.train_config
@@ -200,11 +213,10 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   step_fn = make_train_step(fns, tcfg, tx, state, mesh=topology.trainer, rules=TRAIN_RULES)
   logprobs_fn = (make_logprobs_fn(fns, tcfg, state, mesh=topology.trainer, rules=TRAIN_RULES)
                  if cfg.train.logprobs == "separate" else None)  # fused: inside the train step's program
-  policy = merge_lora(state.frozen, state.params["policy"], cfg.lora) if cfg.lora.enabled else state.params["policy"]
   # Same layout and dtype on both sides (colocated, fp32) makes the plan zero-copy: the engine then
   # reads the trainer's arrays, which the next train step donates; every sync replaces them.
-  plan = TransferPlan.build(policy, shardings["rollout"], dst_dtype=jax.numpy.dtype(model_cfg.dtype))
-  rollout_params, _ = plan.run(policy)
+  sync = WeightSync(cfg, state, shardings["rollout"], jax.numpy.dtype(model_cfg.dtype), topology.rollout)
+  rollout_params = sync.initial(state)
   reward_model = None
   if cfg.reward.model_dir is not None:
     role = "reward" if "reward" in dict(topology.roles) else "rollout"
@@ -221,7 +233,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
   return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
-                    topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, plan=plan,
+                    topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, sync=sync,
                     engine=engine, rewards=rewards, reward_model=reward_model, prompts=prompts, heldout=heldout,
                     stop_ids=stop_ids, stop_strings=stop_strings, resp_len=resp_len, row_len=row_len,
                     dp_width=dp_width)

@@ -14,8 +14,18 @@ The modes differ only in what may overlap, which the loop expresses with one bou
 Pacing, never discarding: batch k is only started once the trainer has reached version k - eta, so
 every token of batch k was sampled at most eta versions before the step that trains on it. The loss
 corrects the gap with truncated importance weights against the sampler's log-probs (rl.is_cap).
-Every decision is a function of step and chunk counters, never of wall-clock readiness, so every
-process of a multi-process run takes the same decisions and a run is reproducible.
+
+When async weights land: by default (`run.deterministic=False`) as soon as the step has finished on
+its devices, at the next decode-chunk boundary; the rollout waits for the trainer only when eta
+forces it. `run.deterministic=True` keeps the counter schedule (land after `run.land_after_chunks`
+chunks, waiting for the step if needed): every decision is then a function of step and chunk counters,
+never of readiness, so a run is bit-reproducible. A multi-process run always takes the counter
+schedule, so every process takes the same decisions without exchanging readiness.
+
+Timeline: a watcher thread per train step blocks on the step's outputs and stamps their device
+completion (runtime/watch.py), so the "train" span ends when the devices finished, not at the next host
+check; every decode chunk's tokens are bracketed by host times, which gives `perf/overlap_tokens`:
+rollout tokens provably generated while the step ran.
 """
 
 from __future__ import annotations
@@ -27,16 +37,17 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import MODEL_REWARD
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.runtime.watch import ChunkClock, StepWatch, WallClock
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, balance_groups, build_batch, plan_rows
-from jaxrl_topo.train.lora import merge_lora
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
 _ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
@@ -61,14 +72,10 @@ class _InFlight:
   traj: Trajectories
   metrics: dict  # device scalars
   t0: float
+  queued_at: float  # the step's program is enqueued on its devices (after compilation, on the first step)
+  watch: StepWatch  # device-completion stamps of the logprobs phase and the step
   pre: dict | None = None  # the logprobs phase's device outputs (None: the step computes them itself)
-  pre_done_at: float | None = None  # first time the host saw the logprobs phase finished
-  chunks: int = 0  # decode chunks run since dispatch (async landing rule)
-  done_at: float | None = None  # first time the host saw the step finished (between decode chunks)
-
-
-def _ready(tree) -> bool:
-  return all(x.is_ready() for x in jax.tree.leaves(tree))
+  chunks: int = 0  # decode chunks run since dispatch (deterministic async landing rule)
 
 
 def _devices(mesh) -> list[int]:
@@ -124,6 +131,28 @@ def score(exp: Experiment, examples: list[dict], samples: list[Sample]) -> tuple
   return rewards, main, info
 
 
+_KEYS: dict = {}  # (seed, steps, rounds) -> host key data of every (step, round)
+
+
+def _rollout_key(exp: Experiment, step: int, round_: int) -> jax.Array:
+  """The sampling key of (seed, step, round), placed on the rollout devices. The keys are derived once, on
+  the first call (before any train step is queued), and kept on the host: a key computed on the default
+  device, a trainer device in disaggregated mode, would queue every rollout program behind the running
+  train step (measured on CPU: no overlap at all)."""
+  cfg = exp.cfg
+  rounds = cfg.reward.max_sampling_rounds
+  table = _KEYS.get((cfg.run.seed, cfg.run.steps, rounds))
+  if table is None or step >= len(table):
+    base = jax.random.fold_in(jax.random.key(cfg.run.seed), _ROLLOUT_TAG)
+    grid = jax.vmap(lambda s: jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, s), r))(
+        np.arange(rounds)))(np.arange(max(cfg.run.steps, step + 1)))
+    table = _KEYS[(cfg.run.seed, cfg.run.steps, rounds)] = np.asarray(jax.random.key_data(grid))
+  mesh = exp.topology.rollout
+  if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    return jax.random.wrap_key_data(table[step, round_])  # another process's devices: a host value
+  return jax.random.wrap_key_data(jax.device_put(table[step, round_], NamedSharding(mesh, PartitionSpec())))
+
+
 def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
             on_span: Callable[[dict], None] = lambda s: None) -> Trajectories:
   """Draws a prompt batch, samples G completions each, scores them; DAPO dynamic sampling draws more
@@ -134,8 +163,7 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
   t0 = time.perf_counter()
   for round_ in range(cfg.reward.max_sampling_rounds if cfg.reward.dynamic_sampling else 1):
     examples = next(exp.prompts)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.run.seed), _ROLLOUT_TAG),
-                                                step), round_)
+    key = _rollout_key(exp, step, round_)
     t, gen_id = time.perf_counter(), exp.engine.gen_id
     samples = exp.engine.run(_requests(exp, examples), on_chunk, key=key)
     t1 = time.perf_counter()
@@ -200,29 +228,13 @@ def make_batch(exp: Experiment, traj: Trajectories, version: int | None = None) 
   return batch, layout
 
 
-def policy_params(exp: Experiment, state):
-  """The full policy weights of a train state (LoRA adapters merged into the frozen base)."""
-  if exp.cfg.lora.enabled:
-    return _merge(exp.cfg.lora)(state.frozen, state.params["policy"])
-  return state.params["policy"]
-
-
-_MERGE_CACHE: dict = {}
-
-
-def _merge(lora_cfg):
-  if lora_cfg not in _MERGE_CACHE:
-    _MERGE_CACHE[lora_cfg] = jax.jit(lambda base, adapters: merge_lora(base, adapters, lora_cfg))
-  return _MERGE_CACHE[lora_cfg]
-
-
 def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict:
-  """Trainer weights (version `version`) -> the rollout layout -> the engine."""
-  t = time.perf_counter()
-  params, stats = exp.plan.run(policy_params(exp, exp.state))
-  jax.block_until_ready(params)
+  """Trainer weights (version `version`) -> the rollout layout (sync.mode) -> the engine. The engine's
+  current weights are freed bucket by bucket as the new ones land, except under finish_on_old, where
+  live sequences keep decoding on them until the swap."""
+  params, stats = exp.sync(exp.state, None if policy == "finish_on_old" else exp.engine.params)
   exp.engine.update_weights(params, version, policy)
-  return {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(stats["bytes_sent"])}
+  return stats
 
 
 # ---------------------------------------------------------------- evaluation
@@ -272,6 +284,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   hooks = hooks or LoopHooks()
   cfg = exp.cfg
   mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps
+  deterministic = cfg.run.deterministic or jax.process_count() > 1  # readiness is one process's knowledge
   version = start_step  # the trainer's weights version == steps trained
   ready: collections.deque[Trajectories] = collections.deque()
   pending: _InFlight | None = None
@@ -280,6 +293,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   checked = False
   trainer_devices, rollout_devices = _devices(exp.topology.trainer), _devices(exp.topology.rollout)
   deferred: collections.deque[tuple[int, dict]] = collections.deque()
+  chunks, wall = ChunkClock(exp.engine), WallClock()
 
   def dispatch(traj: Trajectories) -> _InFlight:
     nonlocal checked
@@ -297,21 +311,19 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       pre = exp.logprobs_fn(exp.state, batch)
       batch = with_logprobs(batch, pre)
     exp.state, metrics = exp.step_fn(exp.state, batch)
-    return _InFlight(traj.step, traj, metrics, t0, pre)
+    return _InFlight(traj.step, traj, metrics, t0, time.perf_counter(), StepWatch(pre, metrics), pre)
 
-  def land(flight: _InFlight, policy: str) -> None:
+  def land(flight: _InFlight, policy: str, at_chunk: bool = False) -> None:
     nonlocal version
-    t_pre = flight.t0
+    waited = not flight.watch.done.is_set()
+    flight.watch.wait()  # device completion of the step (the watcher stamps it; this only waits)
+    t_pre = flight.watch.pre_done_at or flight.t0
     if flight.pre is not None:
-      if flight.pre_done_at is None:  # waiting costs the device nothing: the train step is already queued
-        jax.block_until_ready(flight.pre)
-        flight.pre_done_at = time.perf_counter()
-      t_pre = flight.pre_done_at
       hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre))
     train = to_host(flight.metrics)
-    end = flight.done_at or time.perf_counter()
-    t_train = end - t_pre
+    end = flight.watch.done_at
     hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, t_pre, end))
+    overlap = chunks.tokens_within(flight.queued_at, end)
     version += 1
     t_sync = time.perf_counter()
     sync = sync_weights(exp, version, policy)
@@ -319,8 +331,11 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
                        flight.step, version, t_sync, time.perf_counter()))
     m = _step_metrics(flight.traj, train, version - 1, cfg.rl.group_size)
     m.update(sync)
-    m["time/train_s"] = t_train
+    m["time/train_s"] = end - t_pre
     m["time/logprobs_s"] = t_pre - flight.t0
+    m["perf/overlap_tokens"] = overlap  # rollout tokens generated between enqueue and device completion
+    m["perf/land_at_chunk"] = float(at_chunk)  # landed between decode chunks of a running batch (async)
+    m["perf/land_waited"] = float(waited)  # the controller had to wait for the step to finish on its devices
     m["version"] = version
     if m["staleness/max"] > eta:
       raise AssertionError(f"step {flight.step}: a token {m['staleness/max']} versions old exceeds eta={eta}")
@@ -331,33 +346,32 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     nonlocal last
     while deferred:
       step, m = deferred.popleft()
+      m.update(wall.step(m["perf/tokens"]))  # wall-clock figures: seconds since the last step, eval excluded
       if hooks.should_eval(step + 1):
         t = time.perf_counter()
         m["eval/accuracy"] = evaluate(exp, tag=step + 1)
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
+        wall.exclude(time.perf_counter() - t)
       last = m
       hooks.on_step(step, m)
       hostcomm.collect()  # multi-process: every host read of this step is done; free the store's keys
 
   def tick(engine: RolloutEngine) -> None:  # between decode chunks
     nonlocal pending
-    if pending is None:
-      return
-    now = time.perf_counter()  # timestamps for the timeline only, never a decision
-    if pending.pre is not None and pending.pre_done_at is None and _ready(pending.pre):
-      pending.pre_done_at = now
-    if pending.done_at is None and _ready(pending.metrics):
-      pending.done_at = now
-      pending.pre_done_at = pending.pre_done_at or now
-    pending.chunks += 1
-    if mode == "async" and pending.chunks >= cfg.run.land_after_chunks:
-      land(pending, cfg.rollout.update_policy)
-      pending = dispatch(ready.popleft()) if ready else None
+    chunks.chunk()
+    if pending is not None:
+      pending.chunks += 1
+      due = pending.chunks >= cfg.run.land_after_chunks if deterministic else pending.watch.done.is_set()
+      if mode == "async" and due:
+        land(pending, cfg.rollout.update_policy, at_chunk=True)
+        pending = dispatch(ready.popleft()) if ready else None
+    chunks.resume()  # the next chunk is dispatched after this
 
   while version < steps:
     if pending is None and ready:
       pending = dispatch(ready.popleft())
     if produced < steps and produced <= version + eta and len(ready) <= eta:
+      chunks.reset()
       ready.append(rollout(exp, produced, tick, hooks.on_span))
       hooks.on_produced(produced)
       produced += 1

@@ -85,7 +85,9 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
       writer.close(plot=cfg.run.plot)
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
                "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
-               "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir}
+               "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir,
+               # wall clock from the end of the first step (compilation) to the last; eval excluded
+               "steps_per_hour": last.get("perf/run_steps_per_hour"), "tokens_per_s": last.get("perf/run_tokens_per_s")}
     if _main():
       with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -125,12 +127,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       _kill_point("saving", done)
 
   def on_step(step: int, m: dict) -> None:
-    lags = m.pop("_lags", None)
-    total = sum(v for k, v in m.items() if k in ("time/rollout_total_s", "time/logprobs_s", "time/train_s",
-                                                     "time/sync_s"))
-    if total:
-      m["perf/tokens_per_s"] = m.get("perf/tokens", 0) / total
-      m["time/step_s"] = total
+    lags = m.pop("_lags", None)  # time/step_s, perf/tokens_per_s, perf/steps_per_hour: wall clock (loop.py)
     if writer is not None and (step % cfg.run.log_every == 0 or "eval/accuracy" in m):
       writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
       if lags is not None:

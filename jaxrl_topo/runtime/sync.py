@@ -1,0 +1,79 @@
+"""The loop's weight sync: trainer state -> rollout layout -> engine, under `sync.mode` (topology/transfer.py).
+
+  full   every leaf of the policy, cast to the rollout dtype, bucket by bucket
+  delta  only the buckets whose cast values changed bitwise since the last sync (sync/changed_frac per sync)
+  lora   only the LoRA adapters (fp32, replicated on the rollout mesh); the rollout side keeps its own copy
+         of the frozen base and merges W + (alpha/r) A B there (transfer.merge_on_destination)
+
+The engine's current weights are handed to the plan as the old destination, so each bucket's stale arrays
+are deleted just before the new bucket lands: a sync needs about one bucket of extra rollout memory, not a
+second copy. The one exception is the `finish_on_old` update policy inside a running batch: live sequences
+keep decoding on the old weights, so those stay alive until the engine swaps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxrl_topo.topology.transfer import TransferPlan, merge_on_destination, replicated
+from jaxrl_topo.train.lora import merge_lora
+
+
+class WeightSync:
+  """Built once per run from the initial train state; `initial()` is the engine's first weights, then
+  `__call__(state, old)` is every later sync. `on_bucket(i)` (tests, benchmarks) runs at each bucket's peak."""
+
+  def __init__(self, cfg, state, rollout_shardings, dst_dtype, rollout_mesh):
+    self.mode, self.lora = cfg.sync.mode, cfg.lora
+    self.on_bucket: Callable[[int], None] | None = None
+    bucket = cfg.sync.bucket_bytes
+    if self.mode == "lora":
+      base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket)
+      self.base, _ = base_plan.run(state.frozen)  # the frozen base crosses once; only adapters follow
+      adapters = state.params["policy"]
+      self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket)
+    else:
+      self.base = None
+      self.plan = TransferPlan.build(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
+                                     mode=self.mode)
+    self._adapters = None  # lora: the adapters on the rollout side (the old destination of the next sync)
+
+  def policy(self, state):
+    """The full policy weights of a train state (LoRA adapters merged into the frozen base, on the trainer)."""
+    if self.lora.enabled:
+      return _merge(self.lora)(state.frozen, state.params["policy"])
+    return state.params["policy"]
+
+  def initial(self, state):
+    params, _ = self(state, None)
+    return params
+
+  def __call__(self, state, old) -> tuple[object, dict]:
+    """(the rollout weights of `state`, stats). `old`: the engine's current weights, freed bucket by bucket
+    (None: kept alive). The stats' sync/bytes count bytes written on the rollout side."""
+    t = time.perf_counter()
+    if self.mode == "lora":
+      if old is not None:  # the merged copy is rebuilt whole: drop the stale one first
+        for x in jax.tree.leaves(old):
+          if not x.is_deleted():
+            x.delete()
+      self._adapters, stats = self.plan.run(state.params["policy"], self._adapters if old is not None else None,
+                                            on_bucket=self.on_bucket)
+      params = merge_on_destination(self.base, self._adapters, self.lora)
+    else:
+      params, stats = self.plan.run(self.policy(state), old, on_bucket=self.on_bucket)
+    jax.block_until_ready(params)
+    return params, {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(stats["bytes_sent"]),
+                    "sync/changed_frac": float(stats["changed_frac"]), "sync/buckets": float(stats["buckets_sent"])}
+
+
+_MERGE_CACHE: dict = {}
+
+
+def _merge(lora_cfg):
+  if lora_cfg not in _MERGE_CACHE:
+    _MERGE_CACHE[lora_cfg] = jax.jit(lambda base, adapters: merge_lora(base, adapters, lora_cfg))
+  return _MERGE_CACHE[lora_cfg]
