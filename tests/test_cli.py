@@ -4,8 +4,11 @@ A failure in one process of a multi-process run ends every process promptly with
 shown; user-facing errors are one line without a traceback (`--traceback` shows it)."""
 
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from launchers import local_multiprocess
 
@@ -123,3 +126,23 @@ def test_a_workdir_of_another_run_is_refused_untouched(tmp_path):
   assert r.returncode == 2, r.stderr[-3000:]
   assert "holds another run" in r.stderr and "model.init_seed: 0 -> 7" in r.stderr and "--fresh" in r.stderr
   assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
+
+
+@pytest.mark.slow
+def test_a_reward_that_always_fails_stops_the_run_with_its_checkpoints(tmp_path):
+  """The circuit breaker through the launcher: reward.max_error_steps=3 consecutive scoring calls
+  (the evaluation before RL, steps 0 and 1) fail on every item; the run stops with one error line,
+  exit code 2, and step 1's checkpoint kept. No library INFO line on the way (--library_logs keeps them).
+  Before: the run trained on error_score to the end and exited 0."""
+  work = tmp_path / "w"
+  r = _train(TINY, f"--workdir={work}", "--noprogress", "--config.run.sft_steps=0", "--config.run.steps=6",
+             "--config.reward.fn=reward_fns_for_tests:raises", "--config.reward.n_workers=0",
+             "--config.run.checkpoint_every=1", "--config.run.eval_every=0", "--config.data.batch_size=4",
+             "--config.rl.group_size=4", "--config.rollout.n_slots=16", "--config.run.eval_size=16",
+             "--config.run.tensorboard=False", "--config.run.plot=False", cwd=os.path.join(ROOT, "tests"), timeout=300)
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert "error: reward 'reward_fns_for_tests:raises' failed on 16 of 16 items in each of the last 3" in r.stderr
+  assert "Traceback" not in r.stderr and (work / "checkpoints" / "1").is_dir()
+  info = [line for line in r.stderr.splitlines() if re.match(r"I\d{4} ", line)]
+  assert info and all(re.search(r" (distributed|carve|experiment|run|loop|sft|metrics)\.py:\d+\]", line)
+                      for line in info), "\n".join(info)
