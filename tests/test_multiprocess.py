@@ -66,6 +66,7 @@ def test_sync_check_single_process_disaggregated():
 
 RL_FLAGS = {"topology.trainer.fsdp": 4, "topology.rollout.data": 2, "topology.rollout.tensor": 2,
             "topology.mode": "async", "run.max_staleness": 2, "run.land_after_chunks": 1, "run.steps": 3,
+            "run.deterministic": True,  # the one-process reference takes the counter schedule too
             "run.checkpoint_every": 2, "run.sft_steps": 80, "run.sft_target_accuracy": 0.0, "data.batch_size": 4,
             "rl.group_size": 4, "rollout.n_slots": 16, "run.eval_every": 0, "run.eval_size": 32,
             "reward.n_workers": 0, "run.tensorboard": False, "run.plot": False}

@@ -147,10 +147,10 @@ def _rollout_key(exp: Experiment, step: int, round_: int) -> jax.Array:
     grid = jax.vmap(lambda s: jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, s), r))(
         np.arange(rounds)))(np.arange(max(cfg.run.steps, step + 1)))
     table = _KEYS[(cfg.run.seed, cfg.run.steps, rounds)] = np.asarray(jax.random.key_data(grid))
-  mesh = exp.topology.rollout
-  if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
-    return jax.random.wrap_key_data(table[step, round_])  # another process's devices: a host value
-  return jax.random.wrap_key_data(jax.device_put(table[step, round_], NamedSharding(mesh, PartitionSpec())))
+  if jax.process_count() > 1:  # every process passes the same kind of value: a host one
+    return jax.random.wrap_key_data(table[step, round_])
+  rollout = NamedSharding(exp.topology.rollout, PartitionSpec())
+  return jax.random.wrap_key_data(jax.device_put(table[step, round_], rollout))
 
 
 def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
@@ -259,6 +259,8 @@ class LoopHooks:
 
   on_step: Callable[[int, dict], None] = lambda step, metrics: None
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
+  # Right before each on_trained: the batches produced but not trained yet (exact resume saves them).
+  in_flight: Callable[[list[Trajectories]], None] = lambda trajs: None
   should_eval: Callable[[int], bool] = lambda step: False
   on_produced: Callable[[int], None] = lambda step: None  # a rollout batch is ready
   on_span: Callable[[dict], None] = lambda span: None  # timeline entries (review/ audits them)
@@ -279,16 +281,18 @@ def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int
   return out
 
 
-def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None = None) -> dict:
-  """Runs steps [start_step, run.steps); returns the last step's metrics."""
+def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None = None,
+               in_flight: list[Trajectories] = ()) -> dict:
+  """Runs steps [start_step, run.steps); returns the last step's metrics. `in_flight`: batches start_step,
+  start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume)."""
   hooks = hooks or LoopHooks()
   cfg = exp.cfg
   mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps
   deterministic = cfg.run.deterministic or jax.process_count() > 1  # readiness is one process's knowledge
   version = start_step  # the trainer's weights version == steps trained
-  ready: collections.deque[Trajectories] = collections.deque()
+  ready: collections.deque[Trajectories] = collections.deque(in_flight)
   pending: _InFlight | None = None
-  produced = start_step
+  produced = start_step + len(ready)
   last: dict = {}
   checked = False
   trainer_devices, rollout_devices = _devices(exp.topology.trainer), _devices(exp.topology.rollout)
@@ -339,6 +343,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     m["version"] = version
     if m["staleness/max"] > eta:
       raise AssertionError(f"step {flight.step}: a token {m['staleness/max']} versions old exceeds eta={eta}")
+    hooks.in_flight(list(ready))  # async: a batch being generated now is not among them (regenerated on resume)
     hooks.on_trained(flight.step, flight.traj)  # the state is exactly version step + 1 here (checkpoints)
     deferred.append((flight.step, m))  # eval and logging wait until no engine.run is in progress
 

@@ -7,10 +7,13 @@
   summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, ...
 
 Resume: the newest complete checkpoint restores the train state, the weights version (gen_id =
-step) and the prompt iterator; batches that were generated but not yet trained when the process
-died are dropped and regenerated from the same prompts under the restored weights. In colocated
-mode nothing was in flight, so a resumed run repeats the uninterrupted run's later steps exactly
-(sampling keys come from (seed, step, sequence, position)).
+step), the batches already produced for later steps (disaggregated / async: generated under older
+weights, runtime/inflight.py) and the prompt iterator as it was after the last of them. A batch still
+being generated at the checkpoint (async) is regenerated from the same prompts under the restored
+weights. So colocated and disaggregated runs repeat the uninterrupted run's later steps exactly
+(sampling keys come from (seed, step, sequence, position)); async ones do with run.deterministic=True
+when no batch was mid-generation at the checkpoint, and otherwise keep every prompt and the bound.
+Checkpoints every `run.checkpoint_every` steps (default 10) and at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 from absl import logging
 
 from jaxrl_topo.runtime import experiment as experiment_lib
+from jaxrl_topo.runtime import inflight
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
@@ -59,7 +63,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
           if jax.process_index() in holders else None)
   latest = hostcomm.broadcast(ckpt.latest_step() if ckpt else None, src=min(holders))
   exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
-  start, before = 0, None
+  start, before, produced = 0, None, []
   try:
     if latest is not None:
       meta = None
@@ -67,7 +71,9 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
         exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
       meta = hostcomm.broadcast(meta, src=min(holders))
       start, before = meta["step"], meta.get("accuracy_before")
-      exp.prompts.set_state(meta["data_state"])
+      exp.prompts.set_state(meta["data_state"])  # after the last saved batch
+      saved = meta.get("in_flight")  # a list of batches; older checkpoints hold a note instead (regenerate)
+      produced = [inflight.from_json(d) for d in saved] if isinstance(saved, list) else []
       if start > 0:
         loop_lib.sync_weights(exp, start)
       logging.info("resumed from step %d of %s", start, workdir)
@@ -77,10 +83,10 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
                             start_step=start, resume=start > 0) if _main() else None)
     hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start)
-    last = loop_lib.train_loop(exp, start_step=start, hooks=hooks)
+    last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
-      _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before)
+      _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before, [])
     if writer is not None:
       writer.close(plot=cfg.run.plot)
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
@@ -102,11 +108,13 @@ def _main() -> bool:
   return jax.process_index() == 0
 
 
-def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state, before) -> None:
+def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state, before, produced) -> None:
+  """`data_state`: the iterator after the last trained batch; `produced`: the batches after it, not trained."""
   if ckpt is None:  # this process holds no part of the train state
     return
-  meta = {"step": step, "gen_id": step, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
-          "accuracy_before": before, "in_flight": "dropped: regenerated from the saved data state on resume"}
+  meta = {"step": step, "gen_id": step, "data_state": produced[-1].data_state if produced else data_state,
+          "seed": cfg.run.seed, "mode": cfg.topology.mode, "accuracy_before": before,
+          "in_flight": [inflight.to_json(t) for t in produced]}
   ckpt.save(step, exp.state, meta)
 
 
@@ -114,7 +122,10 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
            start: int = 0):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
   every = cfg.run.eval_every
-  seen = {"data_state": None}
+  seen = {"data_state": None, "in_flight": []}
+
+  def in_flight(trajs: list) -> None:
+    seen["in_flight"] = trajs
 
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
@@ -123,7 +134,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       jax.profiler.stop_trace()  # view <workdir>/profile in Perfetto or TensorBoard's profile plugin
     _kill_point("trained", done)
     if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
-      _save(ckpt, cfg, exp, done, traj.data_state, before)
+      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"])
       _kill_point("saving", done)
 
   def on_step(step: int, m: dict) -> None:
@@ -155,7 +166,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
         f.write(json.dumps(entry) + "\n")
 
   return loop_lib.LoopHooks(on_step=on_step, on_trained=on_trained, should_eval=should_eval,
-                            on_produced=on_produced, on_span=on_span), seen
+                            on_produced=on_produced, on_span=on_span, in_flight=in_flight), seen
 
 
 SPANS_FILE = "spans.jsonl"

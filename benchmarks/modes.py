@@ -1,0 +1,120 @@
+"""Steps/hour of the RL loop in each mode on a long-tail workload, measured and predicted (issue 13).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+      python benchmarks/modes.py --steps=8 --out=/tmp/modes     # JSON lines on stdout, timelines in --out
+
+Workload: the `tiny` model (random init, no warm-up), 8 prompts x 4 samples per step; each group's completion
+length is drawn lognormal (median --median tokens, sigma 1) and capped at 8x the median (and at the model's
+position limit), the same lengths in every mode (one seeded draw per step). The rollout never stops early: no
+stop string, and the engine is given each group's length as its max_new_tokens (a random model rarely emits
+EOS). Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async split
+them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readiness-based landing).
+
+Per mode: measured steps/hour from wall time after the first step (which compiles), tokens/s, the rollout
+tokens generated while train steps ran (perf/overlap_tokens), and the review simulator calibrated on the same
+run's spans (review/simulator.py calibrate, sigma and cap as drawn) predicting that mode's steps/hour; a
+timeline PNG of the measured spans per mode (review/plots.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxrl_topo.review import plots, simulator  # noqa: E402
+from jaxrl_topo.runtime import experiment, loop  # noqa: E402
+from jaxrl_topo.runtime.config import config_from_file, from_config_dict  # noqa: E402
+
+TOPOLOGY = {
+    "colocated": dict(mode="colocated", trainer={"fsdp": 8}, rollout={"data": 4, "tensor": 2}),
+    "disaggregated": dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2}),
+    "async": dict(mode="async", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2}),
+}
+ETA = {"colocated": 0, "disaggregated": 1, "async": 2}
+PROMPTS, GROUP, SIGMA = 8, 4, 1.0
+
+
+def _config(mode: str, steps: int, max_new: int):
+  c = config_from_file(os.path.join(ROOT, "configs", "grpo_task.py"), "tiny")
+  c.run.update(dict(steps=steps, eval_every=0, sft_steps=0, sft_target_accuracy=0.0, tensorboard=False, plot=False,
+                    max_staleness=ETA[mode], checkpoint_every=0))
+  c.data.batch_size, c.rl.group_size = PROMPTS, GROUP
+  c.rollout.update(dict(max_new_tokens=max_new, stop=(), n_slots=PROMPTS * GROUP))
+  c.reward.n_workers = 0
+  c.topology = TOPOLOGY[mode]
+  return from_config_dict(c)
+
+
+def _lengths(steps: int, median: int, cap: int, seed: int = 0) -> np.ndarray:
+  """[steps, PROMPTS] completion lengths, one per group."""
+  z = np.random.default_rng(seed).standard_normal((steps, PROMPTS))
+  return np.clip(np.round(median * np.exp(SIGMA * z)), 1, cap).astype(int)
+
+
+def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
+  cap = min(8 * median, 512 - 16)  # 8x the median, within tiny's 512 positions (16 prompt tokens)
+  lengths = _lengths(steps + 2, median, cap)
+  cfg = _config(mode, steps, cap)
+  exp = experiment.build(cfg, os.path.join(out, mode))
+  drawn = iter(range(10**9))
+  real_requests = loop._requests
+
+  def requests(exp_, examples):  # batch k's groups get lengths[k]: the same workload in every mode
+    k = next(drawn)
+    return [dataclasses.replace(r, max_new_tokens=int(n)) for r, n in
+            zip(real_requests(exp_, examples), lengths[min(k, len(lengths) - 1)], strict=True)]
+
+  loop._requests = requests
+  records, spans = [], []
+  t0 = time.perf_counter()
+  try:
+    loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda s, m: records.append(m), on_span=spans.append))
+  finally:
+    loop._requests = real_requests
+    exp.close()
+  wall = time.perf_counter() - t0
+  last = records[-1]
+  tokens = [r["perf/tokens"] for r in records]
+  params = simulator.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[1:])),
+                               sigma=SIGMA, max_ratio=cap / median, eta=max(ETA[mode], 1), skip_steps=1,
+                               rollout_devices=4 if mode != "colocated" else None)
+  predicted = simulator.steps_per_hour(mode, params, n_steps=48)
+  origin = min(s["start"] for s in spans)
+  timeline = simulator.Timeline(mode=mode, params=params, lengths=np.zeros((steps, 1)), spans=tuple(
+      simulator.Span(phase=s["phase"], role=s["role"] if mode != "colocated" else "colocated", step=s["step"],
+                     start=s["start"] - origin, end=s["end"] - origin, gen_id=s["gen_id"])
+      for s in spans if s["phase"] in plots._COLORS))
+  png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{mode}.png"), max_steps=steps)
+  return {"mode": mode, "steps": steps, "wall_s": wall, "steps_per_hour": last["perf/run_steps_per_hour"],
+          "tokens_per_s": last["perf/run_tokens_per_s"], "predicted_steps_per_hour": predicted,
+          "predicted_over_measured": predicted / last["perf/run_steps_per_hour"],
+          "tokens_per_step": float(np.mean(tokens)),
+          "overlap_tokens": int(sum(r["perf/overlap_tokens"] for r in records)),
+          "staleness_max": int(max(r["staleness/max"] for r in records)), "timeline": png,
+          "device": f"{jax.devices()[0].platform} x{jax.device_count()}", "jax": jax.__version__}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--median", type=int, default=64)
+  ap.add_argument("--modes", default="colocated,disaggregated,async")
+  ap.add_argument("--out", default="/tmp/modes_bench")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  for mode in args.modes.split(","):
+    print(json.dumps(run_mode(mode, args.steps, args.median, args.out)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
