@@ -43,6 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.group_size = 16
     c.rollout.n_slots = 256
     c.optim.lr = 1e-3
+    c.run.sft_steps = 1000  # as `tiny`: without a warm-up a random-init model is never right (reward 0 throughout)
+    c.run.sft_target_accuracy = 0.3
+    c.run.sft_batch = 64
     c.run.steps = 100
     c.run.eval_every = 20
   else:

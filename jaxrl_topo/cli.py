@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -83,6 +84,22 @@ def message(e: BaseException) -> str:
   return str(e) or type(e).__name__
 
 
+def device_hint(msg: str) -> str:
+  """For a 'needs N devices' error on a CPU: how to fake them."""
+  need = re.search(r"needs? (\d+) devices", msg)
+  if need is None or "jax" not in sys.modules:
+    return ""
+  import jax
+  try:
+    if jax.default_backend() != "cpu":
+      return ""
+  except RuntimeError:
+    return ""
+  n = need.group(1)
+  return (f"\nhint: on a CPU, JAX sees one device unless told otherwise: start with "
+          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (or more) in the environment")
+
+
 def _distributed() -> bool:
   if "jax" not in sys.modules:
     return False
@@ -129,7 +146,8 @@ def launch(main: Callable[[list[str]], None]) -> None:
       import jax
       pid = f"[process {jax.process_index()}] "
     if is_user_error(e) and not _want_traceback():
-      print(f"error: {pid}{message(e)}\n(run with --traceback to see where it was raised)", file=sys.stderr)
+      print(f"error: {pid}{message(e)}{device_hint(message(e))}\n(run with --traceback to see where it was raised)",
+            file=sys.stderr)
       _leave(USER_ERROR_EXIT)
     traceback.print_exc()
     if pid:

@@ -142,7 +142,9 @@ def main(argv: Sequence[str]) -> None:
     check_workdir(_CONFIG.value.to_json(), workdir)  # before config.json is overwritten
   distributed.initialize()
   from jaxrl_topo.runtime import run
+  from jaxrl_topo.topology.carve import carve
 
+  carve(cfg.topology)  # enough devices for the topology? (before the workdir is written)
   run.save_config(_CONFIG.value, workdir)
   summary = run.train(cfg, workdir, progress=_PROGRESS.value)
   print(f"held-out accuracy: before RL {summary['accuracy_before']:.3f}, after RL {summary['accuracy_after']:.3f} "

@@ -146,3 +146,11 @@ def test_a_reward_that_always_fails_stops_the_run_with_its_checkpoints(tmp_path)
   info = [line for line in r.stderr.splitlines() if re.match(r"I\d{4} ", line)]
   assert info and all(re.search(r" (distributed|carve|experiment|run|loop|sft|metrics)\.py:\d+\]", line)
                       for line in info), "\n".join(info)
+
+
+def test_too_few_devices_hints_at_fake_cpu_devices(tmp_path):
+  """The README's async example on a plain CPU. Before: 'async topology needs 2 devices ... only 1 exist'
+  with a traceback, no hint, and config.json already written."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.topology.mode=async")
+  assert r.returncode == 2 and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()

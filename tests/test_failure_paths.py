@@ -3,6 +3,7 @@ reward beside the user imports, and a reward function that keeps failing stops t
 
 import json
 import logging
+import os
 import sys
 
 import numpy as np
@@ -89,3 +90,12 @@ def test_user_errors_are_one_line():
   from jaxrl_topo import cli
   assert cli.is_user_error(RewardsFailing("x")) and cli.is_user_error(FileNotFoundError("x"))
   assert not cli.is_user_error(TypeError("x"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_task_presets_warm_up_before_rl(preset):
+  """A random-init model on the reversal task is never right, so GRPO has no signal without the
+  supervised warm-up. Before: `grpo_task.py:small` had none and its reward stayed 0."""
+  from jaxrl_topo.runtime.config import config_from_file
+  c = config_from_file(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "grpo_task.py"), preset)
+  assert c.run.sft_steps > 0 and c.run.sft_target_accuracy > 0
