@@ -1,6 +1,8 @@
-"""Decode throughput and memory-bandwidth utilisation: the paged engine against the dense reference (issue 4 §7).
+"""Decode throughput and memory-bandwidth utilisation: the paged engine against the dense reference (issues 4, 12).
 
-  python benchmarks/decode.py                      # tiny preset; on CPU batches 1,4,16, ~1 minute
+  python benchmarks/decode.py                      # long-tail workload, tiny preset; on CPU batches 1,4,16
+  python benchmarks/decode.py --workload=fixed     # fixed-length workload (issue 12), batches 8,32
+  python benchmarks/decode.py --workload=pool      # one decode chunk's step time vs pool size and context
   python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
       --prompt_len=128 --kv_budget_gb=40           # the H100 target (MBU >= 60% at batch 256)
 
@@ -14,8 +16,18 @@ implementations do the same useful work whatever the (random-weight) model emits
   dense  generate_dense (the reference decoder) over consecutive batches of B sequences; each batch decodes to its
          longest length (that is what a dense batch with EOS does). Its cache is sized prompt + that longest length,
          not prompt + cap, which flatters dense a little (a real run allocates and reads for the cap).
+Fixed-length workload (`--workload=fixed`): the Llama-3-shaped model below (random init, fp32, untied), B prompts
+of 32 random tokens, exactly 64 new tokens each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
+median of `--repeats` (20) after a warm-up. paged = RolloutEngine with B slots; dense = one generate_dense call.
+Pool workload (`--workload=pool`): the same model, B = 8 slots prefilled to `--contexts` tokens, then one decode chunk
+timed (median of `--repeats`, a fresh prefill before each); one line per (pool pages, context): `step_s` = chunk / K.
+The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
+calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
+chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
+while requests were waiting for a slot (what admission controls; the tail after the queue empties is the workload's).
 Each configuration runs the whole workload once untimed (compiles every shape it needs), then `--repeats` times
-timed (time.perf_counter around the run, results fetched to the host). One JSON line per (impl, batch):
+timed, the implementations taking turns within each repeat (so load from other processes hits both alike)
+(time.perf_counter around the run, results fetched to the host). One JSON line per (impl, batch):
   wall_s        median of the timed runs (all of them in wall_s_all), prefills and host work included
   decode_steps  batched one-token forward passes executed (dense: sum over batches of longest - 1, the first token
                 comes from the prefill; paged: decode chunks x decode_chunk, idle slot-steps included)
@@ -33,6 +45,7 @@ timed (time.perf_counter around the run, results fetched to the host). One JSON 
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -43,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_topo.models.config import num_params
+from jaxrl_topo.models.config import ModelConfig, num_params
 from jaxrl_topo.models.model import cast_params, init_params
 from jaxrl_topo.models.presets import PRESETS, get_preset
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
@@ -51,7 +64,11 @@ from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(greedy=True)
+SAMPLED = SamplingConfig(temperature=1.0)
 FIT_DRAWS = 100_000
+# The fixed-length workload's model (issue 12): Llama-3 shape, 4 layers, random init.
+FIXED_MODEL = ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                          head_dim=64, d_ff=512, rope_theta=500_000.0, tie_embeddings=False, dtype="float32")
 
 
 def sample_lengths(n: int, median: int, sigma: float, seed: int) -> np.ndarray:
@@ -98,12 +115,12 @@ def seqs_fit(cfg, budget: float, prompt_len: int, median: int, sigma: float, pag
   return int(budget // (pages * page_size * per_tok)), dense
 
 
-def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
+def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY):
   """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats)."""
-  cap = 8 * args.median_len
+  cap = int(max(lengths)) if args.workload == "fixed" else 8 * args.median_len
   ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap,
                       n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
-                      sampling=GREEDY, eos_ids=())
+                      sampling=sampling, eos_ids=(), overlap=not args.no_overlap)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
   requests = [Request(p, n=1, max_new_tokens=int(n)) for p, n in zip(prompts, lengths, strict=True)]
 
@@ -116,7 +133,7 @@ def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
   return once
 
 
-def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
+def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY):
   """A callable running consecutive batches of `batch` rows through `generate_dense`, each to its longest length:
   (tokens, decode steps, {}). A short last batch is padded with dummy rows, as generate_ids does."""
   T = bucket_length(args.prompt_len, 8)
@@ -127,7 +144,7 @@ def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
     rows[:n, : args.prompt_len] = prompts[i : i + n]
     lens = np.full((batch,), args.prompt_len, np.int32)
     seq_ids = np.where(np.arange(batch) < n, i + np.arange(batch), -1).astype(np.int32)
-    decode = DecodeConfig(max_new_tokens=int(lengths[i : i + n].max()), sampling=GREEDY, eos_ids=())
+    decode = DecodeConfig(max_new_tokens=int(lengths[i : i + n].max()), sampling=sampling, eos_ids=())
     batches.append((rows, lens, seq_ids, decode, lengths[i : i + n]))
   key = jax.random.key(args.seed)
 
@@ -141,42 +158,90 @@ def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int):
   return once
 
 
-def timed(once, repeats: int):
-  """One untimed run (compiles every shape), then `repeats` timed ones: (median wall_s, last result)."""
-  once()
-  walls = []
+def timed(runs: dict, repeats: int) -> dict:
+  """Each run once untimed (compiles every shape), then `repeats` rounds timing every run in turn, so
+  load from other processes hits all of them alike: {name: (median wall_s, all walls, last result)}."""
+  results = {name: once() for name, once in runs.items()}
+  walls = {name: [] for name in runs}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    result = once()
-    walls.append(time.perf_counter() - t0)
-  return statistics.median(walls), walls, result
+    for name, once in runs.items():
+      t0 = time.perf_counter()
+      results[name] = once()
+      walls[name].append(time.perf_counter() - t0)
+  return {name: (statistics.median(walls[name]), walls[name], results[name]) for name in runs}
+
+
+def engine_rates(stats, tokens: int) -> dict:
+  """Host syncs and uploads per 1000 generated tokens, and slot occupancy, from an engine's stats."""
+  return {"host_reads_per_1k": 1000 * stats.get("host_reads", 0) / max(tokens, 1),
+          "uploads_per_1k": 1000 * stats.get("uploads", 0) / max(tokens, 1),
+          "occupancy": stats.get("busy_steps", 0) / max(stats.get("slot_steps", 0), 1),
+          "occupancy_queued": stats.get("busy_steps_queued", 0) / max(stats.get("slot_steps_queued", 0), 1),
+          "slot_steps_queued": stats.get("slot_steps_queued", 0),
+          "prefill_calls": stats.get("prefill_calls", 0), "chunks": stats.get("chunks", 0)}
+
+
+def pool_sweep(graphdef, cfg, params, args, common):
+  """One decode chunk at B=8 slots prefilled to each context, for each pool size: step_s against both."""
+  B, K = 8, args.decode_chunk
+  rng = np.random.default_rng(args.seed)
+  for n_pages in (int(p) for p in args.pools.split(",")):
+    for ctx in (int(c) for c in args.contexts.split(",")):
+      max_len = -(-(ctx + K + 1) // args.page_size) * args.page_size
+      if B * max_len // args.page_size > n_pages:
+        continue
+      ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
+                          sampling=SAMPLED, eos_ids=(), min_bucket=ctx)
+      engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
+      walls = []
+      for rep in range(args.repeats + 1):
+        slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
+                 for b in range(B)]
+        t0 = time.perf_counter()
+        engine.generate()  # dispatch, run and read back one chunk
+        walls.append(time.perf_counter() - t0)
+        for slot in slots:
+          engine.free(slot)
+      wall = statistics.median(walls[1:])
+      print(json.dumps({"impl": "paged", "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
+                        "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, **common}), flush=True)
 
 
 def main():
   on_gpu = jax.default_backend() == "gpu"
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-  parser.add_argument("--batches", default="1,4,16,64,256" if on_gpu else "1,4,16",
-                      help="comma-separated batch sizes (decode slots / dense rows)")
-  parser.add_argument("--impl", default="paged,dense", help="comma-separated: paged, dense")
+  parser.add_argument("--workload", default="longtail", choices=["longtail", "fixed", "pool"])
+  parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="longtail: the model")
+  parser.add_argument("--batches", default=None, help="comma-separated batch sizes (decode slots / dense rows); "
+                      "default longtail 1,4,16 (GPU 1,4,16,64,256), fixed 8,32")
+  parser.add_argument("--impl", default="dense,paged", help="comma-separated: paged, dense")
   parser.add_argument("--median_len", type=int, default=64, help="median completion length (cap = 8 x median)")
   parser.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal completion lengths")
   parser.add_argument("--prompt_len", type=int, default=32, help="prompt tokens per sequence")
-  parser.add_argument("--n_seqs", type=int, default=None, help="sequences per configuration (default 2 x batch)")
+  parser.add_argument("--new_tokens", type=int, default=64, help="fixed: new tokens per sequence")
+  parser.add_argument("--n_seqs", type=int, default=None, help="sequences per configuration (default 2 x batch; "
+                      "fixed: batch)")
   parser.add_argument("--page_size", type=int, default=16)
   parser.add_argument("--decode_chunk", type=int, default=8, help="paged: decode steps per generate() call")
+  parser.add_argument("--no_overlap", action="store_true", help="paged: read each chunk before the next dispatch")
+  parser.add_argument("--pools", default="256,2048,8192", help="pool: pool sizes in pages")
+  parser.add_argument("--contexts", default="64,256,1024", help="pool: tokens cached per slot")
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                       help="compute, weight and KV dtype (default: preset)")
   parser.add_argument("--kv_budget_gb", type=float, default=40.0 if on_gpu else 1.0, help="KV budget for seqs_fit")
   parser.add_argument("--copy_mb", type=float, default=512.0 if on_gpu else 64.0, help="array size of the copy test")
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs of the workload (median reported)")
+  parser.add_argument("--repeats", type=int, default=None, help="timed runs (median reported); default 3, fixed 20")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   impls = args.impl.split(",")
   if not set(impls) <= {"paged", "dense"}:
     parser.error(f"--impl={args.impl}: expected paged and/or dense")
+  fixed = args.workload in ("fixed", "pool")
+  args.repeats = args.repeats or (20 if args.workload == "fixed" else 3)
+  args.batches = args.batches or ("8,32" if fixed else "1,4,16,64,256" if on_gpu else "1,4,16")
 
-  cfg = get_preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+  cfg = FIXED_MODEL if fixed else get_preset(args.preset)
+  cfg = dataclasses.replace(cfg, **({"dtype": args.dtype} if args.dtype else {}))
   graphdef, params = init_params(cfg, jax.random.key(args.seed))
   params = jax.block_until_ready(jax.jit(lambda p: cast_params(p, jnp.dtype(cfg.dtype)))(params))
   w_bytes, per_tok = weight_bytes(params), kv_bytes_per_token(cfg)
@@ -185,34 +250,46 @@ def main():
   fit_paged, fit_dense = seqs_fit(cfg, budget, args.prompt_len, args.median_len, args.sigma, args.page_size,
                                   args.seed)
   common = {
-      "bench": "decode", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-      "jax": jax.__version__, "date": datetime.date.today().isoformat(), "preset": args.preset,
-      "params": num_params(cfg), "dtype": cfg.dtype, "weight_bytes": w_bytes, "kv_bytes_per_token": per_tok,
-      "prompt_len": args.prompt_len, "median_len": args.median_len, "sigma": args.sigma,
-      "cap": 8 * args.median_len, "page_size": args.page_size, "copy_gbps": bw, "kv_budget_bytes": int(budget),
-      "seqs_fit_paged": fit_paged, "seqs_fit_dense": fit_dense,
+      "bench": "decode", "workload": args.workload, "device": jax.devices()[0].device_kind,
+      "backend": jax.default_backend(), "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+      "preset": "llama3-4l-256" if fixed else args.preset, "params": num_params(cfg), "dtype": cfg.dtype,
+      "weight_bytes": w_bytes, "kv_bytes_per_token": per_tok, "prompt_len": args.prompt_len,
+      "page_size": args.page_size, "copy_gbps": bw,
   }
+  if not fixed:
+    common.update({"median_len": args.median_len, "sigma": args.sigma, "cap": 8 * args.median_len,
+                   "kv_budget_bytes": int(budget), "seqs_fit_paged": fit_paged, "seqs_fit_dense": fit_dense})
+  if args.workload == "pool":
+    return pool_sweep(graphdef, cfg, params, args, common)
+  sampling = SAMPLED if fixed else GREEDY
   for batch in (int(b) for b in args.batches.split(",")):
-    n_seqs = args.n_seqs or 2 * batch
-    lengths = sample_lengths(n_seqs, args.median_len, args.sigma, args.seed + batch)
+    n_seqs = args.n_seqs or (batch if fixed else 2 * batch)
+    if fixed:
+      lengths = np.full((n_seqs,), args.new_tokens, np.int64)
+    else:
+      lengths = sample_lengths(n_seqs, args.median_len, args.sigma, args.seed + batch)
     rng = np.random.default_rng(args.seed + 1_000_003 * batch)
     prompts = rng.integers(0, cfg.vocab_size, (n_seqs, args.prompt_len)).tolist()
     kv_useful = useful_kv_tokens(lengths, args.prompt_len) * per_tok
+    rows = {}
+    runners = {"paged": paged_runner, "dense": dense_runner}
+    timings = timed({impl: runners[impl](graphdef, cfg, params, prompts, lengths, args, batch, sampling)
+                     for impl in impls}, args.repeats)
     for impl in impls:
-      runner = paged_runner if impl == "paged" else dense_runner
-      wall, walls, (tokens, steps, stats) = timed(runner(graphdef, cfg, params, prompts, lengths, args, batch),
-                                                  args.repeats)
+      wall, walls, (tokens, steps, stats) = timings[impl]
       assert tokens == int(lengths.sum()), f"{impl}: {tokens} tokens generated, {int(lengths.sum())} drawn"
       steps = max(steps, 1)
       bytes_per_step = w_bytes + kv_useful / steps
+      rows[impl] = tokens / wall
       print(json.dumps({
           "impl": impl, "batch": batch, "n_seqs": n_seqs, "max_len": int(lengths.max()),
           "mean_len": float(lengths.mean()), "tokens": tokens, "wall_s": wall, "wall_s_all": walls,
           "tokens_per_s": tokens / wall, "decode_steps": steps, "step_s": wall / steps,
-          "bytes_per_step": bytes_per_step,
-          "mbu": bytes_per_step / (wall / steps) / (bw * 1e9), **common,
-          **({"decode_chunk": args.decode_chunk, "prefills": stats.get("prefills", 0),
-              "preemptions": stats.get("preemptions", 0)} if impl == "paged" else {}),
+          "bytes_per_step": bytes_per_step, "mbu": bytes_per_step / (wall / steps) / (bw * 1e9),
+          **({"vs_dense": rows[impl] / rows["dense"]} if impl == "paged" and "dense" in rows else {}),
+          **common,
+          **({"decode_chunk": args.decode_chunk, "overlap": not args.no_overlap, "prefills": stats.get("prefills", 0),
+              "preemptions": stats.get("preemptions", 0), **engine_rates(stats, tokens)} if impl == "paged" else {}),
       }), flush=True)
 
 

@@ -94,6 +94,39 @@ def _grpo_pool() -> PagePool:
   return pool
 
 
+def test_pin_keeps_a_prompt_alive_after_its_slot_is_freed():
+  """page_size 4, prompt of 6 tokens on pages [0, 1]: pin shares page 0 and copies page 1 -> 2;
+  a fork from the pin shares page 0 and copies 2 -> 3; pages go back only when the last holder goes."""
+  pool = PagePool(n_pages=6, page_size=4, n_slots=2, max_pages_per_seq=3)
+  owner = pool.admit("a", 6)
+  pin, copy = pool.pin(owner)
+  assert copy == (1, 2)
+  pool.check()
+  pool.free(owner)  # page 1 goes back; page 0 stays (pinned), page 2 is the pin's copy
+  assert pool.n_free_pages() == 4
+  pool.check()
+  slot, copy = pool.fork_pin(pin, "b")
+  assert copy == (2, 1) and pool.lengths()[slot] == 6
+  np.testing.assert_array_equal(pool.table()[slot], [0, 1, -1])
+  pool.check()
+  assert pool.stats()["shared_pages"] == 1
+  assert sorted(pool.unpin(pin)) == [2]  # page 0 is still the fork's
+  pool.check()
+  assert sorted(pool.free(slot)) == [0, 1]
+  assert pool.n_free_pages() == 6 and pool.pins() == []
+  pool.check()
+
+
+def test_preempt_stops_when_only_pins_hold_pages():
+  pool = PagePool(n_pages=4, page_size=4, n_slots=2, max_pages_per_seq=3)
+  slot = pool.admit("a", 8)  # pages 0, 1
+  pin, copy = pool.pin(slot)
+  assert copy is None  # a full prompt copies nothing
+  assert pool.preempt_youngest(4) == ["a"]  # frees the slot, then stops: the pin holds 0 and 1
+  assert pool.n_free_pages() == 2
+  pool.check()
+
+
 def test_free_order_does_not_change_the_final_state():
   base = _grpo_pool()
   base.check()

@@ -29,6 +29,20 @@ from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
 
 
+class Static:
+  """A static jit argument (the model's GraphDef) hashed once: jit hashes its static arguments on
+  every call, and hashing a GraphDef walks the whole graph (~0.3 ms a call for a 2-layer model)."""
+
+  def __init__(self, value):
+    self.value, self._hash = value, hash(value)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, Static) and (self.value is other.value or self.value == other.value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Shardings of the decode state on a rollout mesh (hashable: a static argument). Every function
@@ -92,7 +106,7 @@ def prefill(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, leng
   with the key (seed, seq_N[n], its prompt length) and, unless slot_N[n] = B, goes live in that slot
   with left_N[n] more tokens allowed. `table_BM` replaces the device page table (it holds the
   wave's slots); `table_GM` holds each prompt's own pages (all -1 for padding rows)."""
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef.value, params)
   G, T = tokens_GT.shape
   view = state.cache.replace(table_BM=table_GM)
   positions_GT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (G, T))
@@ -121,9 +135,10 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
 def generate(graphdef, params, state: DecodeState, key, *, sampling: SamplingConfig, n_steps: int,
              eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None):
   """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk)."""
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef.value, params)
 
-  def step(state, _):
+  def step(carry):
+    i, state, tokens_KB, logprobs_KB, emitted_KB = carry
     live = state.active_B
     pos_B = jnp.where(live, state.pos_B, -1)  # idle rows: no K/V write, no page read
     h_B1D, cache = model.hidden(state.last_B[:, None], pos_B[:, None], None, state.cache)
@@ -132,8 +147,36 @@ def generate(graphdef, params, state: DecodeState, key, *, sampling: SamplingCon
     left = state.left_B - live
     new = state.replace(cache=cache, last_B=jnp.where(live, tok_B, state.last_B), pos_B=state.pos_B + live,
                         left_B=left, active_B=live & ~_stops(tok_B, state.stop_BX, eos_ids) & (left > 0))
-    return new, (jnp.where(live, tok_B, pad_id), jnp.where(live, lp_B, 0.0), live)
+    tokens_KB = tokens_KB.at[i].set(jnp.where(live, tok_B, pad_id))
+    return i + 1, new, tokens_KB, logprobs_KB.at[i].set(jnp.where(live, lp_B, 0.0)), emitted_KB.at[i].set(live)
 
-  state, (tokens_KB, logprobs_KB, emitted_KB) = jax.lax.scan(step, state, None, length=n_steps)
+  # A while loop, not a scan: it stops at the first step with no live row, so the steps of a chunk
+  # past every row's end (and a whole chunk dispatched past the end) cost nothing. (A lax.cond around
+  # the step would do the same but makes XLA copy the whole pool at every step.)
+  B = state.last_B.shape[0]
+  init = (jnp.int32(0), state, jnp.full((n_steps, B), pad_id, jnp.int32), jnp.zeros((n_steps, B), jnp.float32),
+          jnp.zeros((n_steps, B), bool))
+  _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(
+      lambda c: (c[0] < n_steps) & jnp.any(c[1].active_B), step, init)
   state = constrain(state, layout)
   return state, tokens_KB, logprobs_KB, emitted_KB, state.active_B
+
+
+def layout_for(mesh, n_slots: int, n_kv_heads: int) -> Layout | None:
+  """Shardings of the device state on a rollout mesh: slots over `data`, KV heads over `tensor`."""
+  if mesh is None:
+    return None
+  axes = dict(mesh.shape)
+  unknown = set(axes) - {"data", "tensor"}
+  if unknown:
+    raise ValueError(f"rollout mesh axes {sorted(unknown)} unknown; the engine uses 'data' and 'tensor'")
+  data, tensor = axes.get("data", 1), axes.get("tensor", 1)
+  if n_slots % data:
+    raise ValueError(f"n_slots={n_slots} must be a multiple of the mesh's data axis ({data})")
+  d = "data" if "data" in axes else None
+  # KV heads split over `tensor` when they divide; otherwise (Qwen2.5-0.5B's 2 KV heads at tensor=4)
+  # every tensor shard keeps all KV heads: each query-head shard reads the KV heads it needs locally.
+  t = "tensor" if "tensor" in axes and n_kv_heads % tensor == 0 else None
+  P = jax.sharding.PartitionSpec
+  ns = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))  # noqa: E731
+  return Layout(kv=ns(None, None, None, t, None), B=ns(d), BM=ns(d, None))

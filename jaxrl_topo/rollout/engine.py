@@ -31,11 +31,12 @@ import numpy as np
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device
 from jaxrl_topo.rollout.dense import bucket_length
-from jaxrl_topo.rollout.device import DecodeState, Layout
+from jaxrl_topo.rollout.device import DecodeState
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
+from jaxrl_topo.rollout.pallas_paged import resolve_impl
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.rollout.scheduler import Request, Sample, run_loop
+from jaxrl_topo.rollout.scheduler import MAX_STOP_IDS, Request, Sample, check_requests, run_loop
 from jaxrl_topo.topology.hostcomm import to_host
 
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
@@ -51,24 +52,31 @@ class EngineConfig:
   max_len: int = 512  # prompt + completion tokens per sequence
   decode_chunk: int = 8  # decode steps per generate() call (K)
   min_bucket: int = 16  # prompts are padded to a power of two >= this
-  impl: str = "fast"  # paged attention read path
+  impl: str = "auto"  # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()
   pad_id: int = 0
   kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
   overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
+  tail_chunk: int = 0  # run(): decode steps per chunk while no request waits (0 = 4 x decode_chunk)
 
   def __post_init__(self):
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+    if self.tail_chunk < 0:
+      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} must be >= 0")
 
   @property
   def max_pages_per_seq(self) -> int:
     return -(-self.max_len // self.page_size)
 
+  @property
+  def tail_steps(self) -> int:
+    return self.tail_chunk or 4 * self.decode_chunk
 
-_MAX_STOP_IDS = 4  # per-request stop ids beyond eos_ids (static width of the device array)
+
+_MAX_STOP_IDS = MAX_STOP_IDS
 
 
 UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")
@@ -110,6 +118,7 @@ class _Wave:
   stop_ids: tuple[int, ...]
   copies: list[tuple[int, int]]
   table_M: np.ndarray  # the prompt's pages (and the first slot's decode pages)
+  later: list[tuple[int, int]]  # (seq id, pin id) of samples sampled now, started later from the pin
 
 
 @dataclasses.dataclass
@@ -120,6 +129,7 @@ class _Dispatched:
   chunk: tuple | None = None  # (tokens_KB, logprobs_KB, emitted_KB, active_B)
   epoch_B: np.ndarray | None = None
   gen_id: int = 0
+  queued: bool = False  # requests were waiting for slots when it was dispatched
 
 
 def _pow2(n: int) -> int:
@@ -139,13 +149,15 @@ class RolloutEngine:
   def __init__(self, graphdef, cfg: ModelConfig, params, ecfg: EngineConfig, *, gen_id: int = 0, seed: int = 0,
                mesh: jax.sharding.Mesh | None = None, detokenize: Callable[[Sequence[int]], str] | None = None):
     self.graphdef, self.cfg, self.ecfg = graphdef, cfg, ecfg
+    self._static = device.Static(graphdef)
     self.params, self.gen_id, self.detokenize = params, gen_id, detokenize
     self.sampling = ecfg.sampling  # run(sampling=...) overrides it for one call
     self.key = jax.random.key(seed)
     self.mesh = mesh
     self._pending: _Pending | None = None
     self._running = False  # inside run(): updates land under their policy
-    self.layout = _layout(mesh, ecfg.n_slots, cfg.n_kv_heads)
+    self.layout = device.layout_for(mesh, ecfg.n_slots, cfg.n_kv_heads)
+    self.impl = resolve_impl(ecfg.impl, cfg, ecfg.page_size)
     self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq)
     self.host = _SlotMirror.zeros(ecfg.n_slots)
     self.state = self._zero_state()
@@ -154,12 +166,15 @@ class RolloutEngine:
     self._dev_table = self.pool.table()  # what the device's page table holds
     self._epoch_B = np.zeros(ecfg.n_slots, np.int64)  # bumped at every admission and free of a slot
     self._waves: list[_Wave] = []  # admitted, prefill not yet dispatched
-    self._rows: dict[int, tuple] = {}  # slot -> row values for the next patch (deactivations)
+    self._rows: dict[int, tuple] = {}  # slot -> (last, pos, seq, left, active, stop ids) for the next patch
+    self._copies: dict[int, tuple[int, int]] = {}  # slot -> page copy for the next patch (forks from pins)
+    # (seq id, pin id) -> (first token, log-prob, gen_id), read for samples prefilled without a slot
+    self.first_of: dict[tuple[int, int], tuple[int, float, int]] = {}
     self._unread: list = []  # dispatched prefills whose first tokens are not read yet
 
   def _zero_state(self) -> DecodeState:
     e, B = self.ecfg, self.ecfg.n_slots
-    cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=e.impl,
+    cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
                                dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
     z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
     state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
@@ -211,13 +226,16 @@ class RolloutEngine:
   # -- host bookkeeping, dispatch and read-back ---------------------------------------------------
 
   def _admit_group(self, prompt_ids: Sequence[int], seq_ids: Sequence[int], *, max_new_tokens: int,
-                   stop_ids: Sequence[int] = (), lookahead: int = 0) -> list[int]:
+                   stop_ids: Sequence[int] = (), lookahead: int = 0,
+                   later: Sequence[int] = ()) -> tuple[list[int], int | None]:
     """Pages and slots for a group (the prompt once, forks sharing its full pages, and each slot's
     pages for its first `lookahead` decode writes, so the prefill's page table is the one decode
-    starts with); the prefill goes out with the next `_flush`. Raises OutOfPages, with nothing
+    starts with); the prefill goes out with the next `_flush`. `later`: more sequences of the group
+    with no slot yet: their first tokens are sampled now (read into `first_of`) and the prompt is
+    pinned for `fork_pinned`. Returns (slots, pin id or None). Raises OutOfPages, with nothing
     changed, if the group does not fit."""
     self._ensure_kv()
-    slots, copies = [], []
+    slots, copies, pin = [], [], None
     try:
       slots.append(self.pool.admit(seq_ids[0], len(prompt_ids)))
       for sid in seq_ids[1:]:
@@ -225,9 +243,16 @@ class RolloutEngine:
         slots.append(slot)
         if copy is not None:
           copies.append(copy)
+      pin = None
+      if later:
+        pin, copy = self.pool.pin(slots[0])
+        if copy is not None:
+          copies.append(copy)
       for slot in slots:
         self.pool.ensure_capacity(slot, min(lookahead, max_new_tokens - 1))
     except OutOfPages:
+      if pin is not None:
+        self.pool.unpin(pin)
       for slot in reversed(slots):
         self.pool.free(slot)
       raise
@@ -240,10 +265,35 @@ class RolloutEngine:
       h.stop_BX[slot] = -1
       h.stop_BX[slot, : len(stop_ids)] = stop_ids
     self._waves.append(_Wave(list(prompt_ids), slots, list(seq_ids), max_new_tokens, tuple(stop_ids), copies,
-                             self.pool.table()[slots[0]]))
+                             self.pool.table()[slots[0]], [(sid, pin) for sid in later]))
     self.stats["prefills"] += 1
     self.stats["forks"] += len(slots) - 1
-    return slots
+    return slots, pin
+
+  def fork_pinned(self, pin: int, seq_id: int, n_prompt: int, *, max_new_tokens: int, stop_ids: Sequence[int] = (),
+                  lookahead: int = 0) -> int:
+    """Starts `seq_id` in a free slot from a pinned prompt, with the first token already sampled for
+    it (in `first_of[(seq_id, pin)]`); the row and the partial-page copy go out with the next patch. OutOfPages:
+    nothing changed."""
+    slot, copy = self.pool.fork_pin(pin, seq_id)
+    try:
+      self.pool.ensure_capacity(slot, min(lookahead, max_new_tokens - 1))
+    except OutOfPages:
+      self.pool.free(slot)
+      raise
+    tok = self.first_of[(seq_id, pin)][0]
+    left = max_new_tokens - 1
+    active = left > 0 and tok not in self.ecfg.eos_ids and tok not in stop_ids
+    h = self.host
+    self._epoch_B[slot] += 1
+    h.last_B[slot], h.pos_B[slot], h.seq_B[slot], h.left_B[slot], h.active_B[slot] = tok, n_prompt, seq_id, left, active
+    h.stop_BX[slot] = -1
+    h.stop_BX[slot, : len(stop_ids)] = stop_ids
+    self._rows[slot] = (tok, n_prompt, seq_id, left, int(active), tuple(stop_ids))
+    if copy is not None:
+      self._copies[slot] = copy
+    self.stats["forks"] += 1
+    return slot
 
   def _flush(self) -> None:
     """Sends the host's changes: a patch (deactivated rows, a page table that grew), then the
@@ -253,17 +303,20 @@ class RolloutEngine:
     table = self.pool.table()
     live = self.host.active_B
     stale = not np.array_equal(table[live], self._dev_table[live])  # rows of idle slots are never read
-    if self._rows or (stale and not self._waves):
+    if self._rows or self._copies or (stale and not self._waves):
       slot_N = np.full((B,), B, np.int32)
       vals = np.zeros((5, B), np.int32)
       stop_NX = np.full((B, _MAX_STOP_IDS), -1, np.int32)
       for n, (slot, row) in enumerate(sorted(self._rows.items())):
         slot_N[n] = slot
-        vals[:, n] = row
-      none_C = np.full((B,), e.n_pages, np.int32)
-      self.state = patch(self.state, table, none_C, none_C, slot_N, *vals[:4], vals[4].astype(bool), stop_NX,
+        vals[:, n] = row[:5]
+        stop_NX[n, : len(row[5])] = row[5]
+      src_C, dst_C = np.zeros((B,), np.int32), np.full((B,), e.n_pages, np.int32)  # <= one copy per slot
+      for c, (src, dst) in enumerate(self._copies.values()):
+        src_C[c], dst_C[c] = src, dst
+      self.state = patch(self.state, table, src_C, dst_C, slot_N, *vals[:4], vals[4].astype(bool), stop_NX,
                          layout=self.layout)
-      self._dev_table, self._rows = table, {}
+      self._dev_table, self._rows, self._copies = table, {}, {}
       self.stats["uploads"] += 1
     by_bucket: dict[int, list[_Wave]] = collections.defaultdict(list)
     for w in self._waves:
@@ -275,7 +328,8 @@ class RolloutEngine:
 
   def _prefill(self, table, T: int, waves: list[_Wave]):
     e, B = self.ecfg, self.ecfg.n_slots
-    G, N = _pow2(len(waves)), B  # a wave never holds more samples than slots
+    rows_needed = sum(len(w.slots) + len(w.later) for w in waves)
+    G, N = _pow2(len(waves)), B if rows_needed <= B else 2 * B  # slotted rows <= B, later ones < B
     C = _pow2(max(1, sum(len(w.copies) for w in waves)))
     tokens_GT = np.full((G, T), e.pad_id, np.int32)
     lengths_G = np.ones((G,), np.int32)
@@ -292,38 +346,44 @@ class RolloutEngine:
       for src, dst in w.copies:
         src_C[c], dst_C[c] = src, dst
         c += 1
-      for slot, sid in zip(w.slots, w.seq_ids, strict=True):
+      for slot, sid, tag in [*((s, i, None) for s, i in zip(w.slots, w.seq_ids, strict=True)),
+                             *((B, i, (i, pin)) for i, pin in w.later)]:
         prompt_N[n], slot_N[n], seq_N[n], left_N[n] = g, slot, sid, w.max_new_tokens - 1
         stop_NX[n, : len(w.stop_ids)] = w.stop_ids
-        rows.append((slot, int(self._epoch_B[slot]), self.gen_id))
+        rows.append((slot, int(self._epoch_B[slot]) if slot < B else tag, self.gen_id))
         n += 1
-    self.state, tok_N, lp_N = prefill(self.graphdef, self.params, self.state, self.key, table, tokens_GT, lengths_G,
+    self.state, tok_N, lp_N = prefill(self._static, self.params, self.state, self.key, table, tokens_GT, lengths_G,
                                       table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX,
                                       sampling=self.sampling, eos_ids=self.ecfg.eos_ids, layout=self.layout)
     self.stats["prefill_calls"] += 1
     self.stats["uploads"] += 1
     return tok_N, lp_N, rows
 
-  def _dispatch(self) -> _Dispatched:
+  def _dispatch(self, n_steps: int | None = None) -> _Dispatched:
     """Flushes the host's changes and launches one chunk of K decode steps; nothing is read."""
     self._flush()
     e = self.ecfg
-    out = generate(self.graphdef, self.params, self.state, self.key, sampling=self.sampling, n_steps=e.decode_chunk,
+    n_steps = n_steps or e.decode_chunk
+    out = generate(self._static, self.params, self.state, self.key, sampling=self.sampling, n_steps=n_steps,
                    eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout)
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
-    self.stats["slot_steps"] += e.n_slots * e.decode_chunk
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id)
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots
     still holding the same sequence. Returns ({slot: (tokens, logprobs, gen_ids)}, chunk arrays)."""
-    firsts, chunk = to_host(([(t, lp) for t, lp, _ in d.firsts], d.chunk))
+    tree = ([(t, lp) for t, lp, _ in d.firsts], d.chunk)
+    # One batched fetch on one process; across processes hostcomm gathers what is not local.
+    firsts, chunk = jax.device_get(tree) if jax.process_count() == 1 else to_host(tree)
     self.stats["host_reads"] += 1
     h, e = self.host, self.ecfg
     new: dict[int, tuple[list[int], list[float], list[int]]] = {}
     for (tok_N, lp_N), (_, _, rows) in zip(firsts, d.firsts, strict=True):
       for n, (slot, epoch, gen_id) in enumerate(rows):
+        if slot == e.n_slots:  # no slot yet: `epoch` is (seq id, pin id)
+          self.first_of[epoch] = (int(tok_N[n]), float(lp_N[n]), gen_id)
+          continue
         if self._epoch_B[slot] != epoch:
           continue
         tok = int(tok_N[n])
@@ -350,13 +410,19 @@ class RolloutEngine:
       self.stats["tokens"] += k
     self.stats["chunks"] += 1
     self.stats["busy_steps"] += int(n_B.sum())  # slot-steps that emitted (a discarded row's too)
+    run_steps = int(emitted_KB.any(axis=1).sum()) * e.n_slots  # the loop stops at the first step with no live row
+    self.stats["slot_steps"] += run_steps
+    if d.queued:  # admission's share: occupancy while requests were waiting for a slot
+      self.stats["busy_steps_queued"] += int(n_B.sum())
+      self.stats["slot_steps_queued"] += run_steps
     return new, chunk
 
   def _released(self, slot: int) -> None:
     """Host side of a freed slot (pool already freed): the device must stop decoding it if it may be live."""
     self._epoch_B[slot] += 1
+    self._copies.pop(slot, None)  # a fork freed before its copy went out: its page may have a new owner
     if self.host.active_B[slot]:
-      self._rows[slot] = (0, 0, 0, 0, 0)  # last, pos, seq, left, active=False
+      self._rows[slot] = (0, 0, 0, 0, 0, ())  # last, pos, seq, left, active=False, no stop ids
     self.host.active_B[slot] = False
 
   # -- JetStream-shaped pieces ---------------------------------------------------------------------
@@ -367,7 +433,7 @@ class RolloutEngine:
     prompt's full pages), samples each one's first token and makes the slots live for up to
     `max_new_tokens` tokens in all: (slot, first token, its log-prob) per sequence. Raises
     OutOfPages, with nothing changed, if the pool cannot hold the whole group now."""
-    slots = self._admit_group(prompt_ids, seq_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    slots, _ = self._admit_group(prompt_ids, seq_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     self._flush()
     new, _ = self._read(_Dispatched(self._unread))
     self._unread = []
@@ -394,34 +460,13 @@ class RolloutEngine:
 
   # -- the loop ------------------------------------------------------------------------------------
 
-  def _check(self, requests: Sequence[Request]) -> None:
-    """Every request must fit the engine; errors name the request, raised before any compilation."""
-    e = self.ecfg
-    for r, req in enumerate(requests):
-      n = len(req.prompt_ids)
-      if n == 0 or req.max_new_tokens <= 0 or req.n <= 0:
-        raise ValueError(f"request {r}: needs a non-empty prompt, max_new_tokens > 0 and n > 0")
-      if n + req.max_new_tokens > e.max_len:
-        raise ValueError(f"request {r}: prompt {n} + max_new_tokens {req.max_new_tokens} > max_len {e.max_len}")
-      if req.n > e.n_slots:
-        raise ValueError(f"request {r}: n={req.n} samples need as many decode slots; the engine has {e.n_slots}")
-      group_pages = -(-(n + req.max_new_tokens) // e.page_size) * req.n
-      if group_pages > e.n_pages:
-        raise ValueError(f"request {r}: its {req.n} samples can need {group_pages} pages; the pool has {e.n_pages}")
-      if len(req.stop_ids) > _MAX_STOP_IDS:
-        raise ValueError(f"request {r}: at most {_MAX_STOP_IDS} stop ids")
-      if req.stop_strings and (self.detokenize is None or not all(req.stop_strings)):
-        raise ValueError(f"request {r}: stop strings need non-empty strings and an engine built with detokenize=")
-      if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.cfg.vocab_size:
-        raise ValueError(f"request {r}: token ids must lie in [0, {self.cfg.vocab_size})")
-
   def run(self, requests: Sequence[Request], on_chunk: Callable[[RolloutEngine], None] | None = None, *,
           key: jax.Array | None = None, sampling: SamplingConfig | None = None) -> list[Sample]:
     """Generates every request's n samples; returns them request-major. `on_chunk(engine)` runs
     between decode chunks, e.g. to `update_weights` (which then lands under its policy). `key`
     replaces the engine's sampling key from now on (the RL loop gives each step its own); `sampling`
     replaces `ecfg.sampling` for this call only (e.g. greedy evaluation)."""
-    self._check(requests)
+    check_requests(self, requests)
     if key is not None:
       self.key = key
     self._running = True
@@ -431,23 +476,3 @@ class RolloutEngine:
     finally:
       self._running = False
       self.sampling = self.ecfg.sampling
-
-
-def _layout(mesh, n_slots: int, n_kv_heads: int) -> Layout | None:
-  """Shardings of the device state on a rollout mesh: slots over `data`, KV heads over `tensor`."""
-  if mesh is None:
-    return None
-  axes = dict(mesh.shape)
-  unknown = set(axes) - {"data", "tensor"}
-  if unknown:
-    raise ValueError(f"rollout mesh axes {sorted(unknown)} unknown; the engine uses 'data' and 'tensor'")
-  data, tensor = axes.get("data", 1), axes.get("tensor", 1)
-  if n_slots % data:
-    raise ValueError(f"n_slots={n_slots} must be a multiple of the mesh's data axis ({data})")
-  if n_kv_heads % tensor:
-    raise ValueError(f"n_kv_heads={n_kv_heads} must be a multiple of the mesh's tensor axis ({tensor})")
-  d = "data" if "data" in axes else None
-  t = "tensor" if "tensor" in axes else None
-  P = jax.sharding.PartitionSpec
-  ns = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))  # noqa: E731
-  return Layout(kv=ns(None, None, None, t, None), B=ns(d), BM=ns(d, None))

@@ -13,6 +13,12 @@ any state; its `needed` is the free-page count that lets the call succeed. The e
 "recompute" preemption; the requester may be among them) and retries. `OutOfSlots`: every row
 is busy, wait for one to finish. Misuse raises ValueError naming the slot, seq and numbers.
 
+Pins (a GRPO group whose samples start as slots free up): `pin(slot)` keeps the slot's current
+tokens (its prompt) alive without a slot: +1 on its full pages and a private copy of its partial
+page; `fork_pin(pin, seq)` starts a sequence from them (as `fork` does from a slot), `unpin` drops
+them. Pinned pages are counted by `check` like a slot's; `preempt_youngest` never touches pins
+(the caller unpins first when it must).
+
 Copy-on-write is eager: `fork` shares the source's FULL pages (refcount + 1) and gives the child
 a private copy of the partial last page at once, returning (src_page, dst_page) for the device
 to copy before any later write. So shared pages are always full and decode never writes into
@@ -65,6 +71,8 @@ class PagePool:
     self._seq_B: list[Hashable | None] = [None] * self.n_slots
     self._slot_of: dict[Hashable, int] = {}
     self._stamp = self._n_preempted = self._n_forks = 0
+    self._pins: dict[int, tuple[np.ndarray, int]] = {}  # pin id -> (its pages, tokens on them)
+    self._next_pin = 0
 
   def table(self) -> np.ndarray:
     """int32 [n_slots, max_pages_per_seq] copy for the device (-1 = unassigned)."""
@@ -116,6 +124,50 @@ class PagePool:
     self._n_forks += 1
     return slot, copy
 
+  def pin(self, slot: int) -> tuple[int, tuple[int, int] | None]:
+    """Keeps the slot's tokens so far alive without a slot: (pin id, (src_page, dst_page) to copy or None)."""
+    src = self._check_active(slot, "pin")
+    n = int(self._len_B[src])
+    n_full, partial = divmod(n, self.page_size)
+    new = self._alloc(1 if partial else 0, f"pin of slot {src}")
+    pages = self._table_BM[src, :n_full].copy()
+    self._ref_P[pages] += 1
+    copy = None
+    if partial:
+      copy = (int(self._table_BM[src, n_full]), new[0])
+      pages = np.append(pages, new[0]).astype(np.int32)
+    pin_id, self._next_pin = self._next_pin, self._next_pin + 1
+    self._pins[pin_id] = (pages, n)
+    return pin_id, copy
+
+  def fork_pin(self, pin_id: int, seq_id: Hashable) -> tuple[int, tuple[int, int] | None]:
+    """A new slot starting from the pinned tokens (full pages shared, partial page copied), as `fork`."""
+    pages, n = self._pins[pin_id]
+    n_full, partial = divmod(n, self.page_size)
+    slot = self._find_slot(seq_id, "fork_pin")
+    new = self._alloc(1 if partial else 0, f"fork of pin {pin_id} into seq {seq_id!r}")
+    self._table_BM[slot, :n_full] = pages[:n_full]
+    self._ref_P[pages[:n_full]] += 1
+    copy = None
+    if partial:
+      copy = (int(pages[n_full]), new[0])
+      self._table_BM[slot, n_full] = new[0]
+    self._occupy(slot, seq_id, n)
+    self._n_forks += 1
+    return slot, copy
+
+  def unpin(self, pin_id: int) -> list[int]:
+    """Drops a pin; returns the pages whose refcount reached 0."""
+    pages, _ = self._pins.pop(pin_id)
+    self._ref_P[pages] -= 1
+    released = [int(p) for p in pages if self._ref_P[p] == 0]
+    for p in released:
+      heapq.heappush(self._free, p)
+    return released
+
+  def pins(self) -> list[int]:
+    return list(self._pins)
+
   def ensure_capacity(self, slot: int, n_new_tokens: int) -> list[int]:
     """Allocates pages so positions [len, len + n_new_tokens) are writable; returns new pages."""
     slot = self._check_active(slot, "ensure_capacity")
@@ -160,7 +212,7 @@ class PagePool:
     if needed_pages > self.n_pages:
       raise ValueError(f"preempt_youngest: {needed_pages} pages needed, the pool has {self.n_pages}")
     preempted = []
-    while len(self._free) < needed_pages:  # terminates: freeing every slot frees every page
+    while len(self._free) < needed_pages and self._slot_of:  # ends: every slot freed frees all unpinned pages
       slot = int(np.argmax(self._order_B))
       preempted.append(self._seq_B[slot])
       self.free(slot)
@@ -170,11 +222,14 @@ class PagePool:
   def check(self) -> None:
     """Raises AssertionError naming the first broken invariant; tests call it after every op."""
     tab = self._table_BM
-    counts_P = np.bincount(tab[tab >= 0], minlength=self.n_pages)
+    held = [tab[tab >= 0]] + [pages for pages, _ in self._pins.values()]
+    counts_P = np.bincount(np.concatenate(held), minlength=self.n_pages)
     _require(np.array_equal(counts_P, self._ref_P), f"refcounts {self._ref_P} != table entries {counts_P}")
     _require(len(set(self._free)) == len(self._free), f"duplicate on the free list {sorted(self._free)}")
     _require(not self._ref_P[self._free].any(), f"a free page is in a table: {sorted(self._free)}")
     _require(len(self._free) + np.count_nonzero(self._ref_P) == self.n_pages, "a page is neither free nor used")
+    for pin_id, (pages, n) in self._pins.items():
+      _require(len(pages) == self._pages_for(n), f"pin {pin_id}: {len(pages)} pages for {n} tokens")
     _require(len(self._slot_of) == sum(s is not None for s in self._seq_B), "seq index out of sync")
     for slot in range(self.n_slots):
       self._check_slot(slot)

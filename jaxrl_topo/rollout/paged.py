@@ -10,23 +10,30 @@ Dimension letters (those of models/layers.py, plus):
   L layers  P pages in the pool  S slots per page (page_size)  M max pages per row
   C pages per block of the fast loop  W = C * S keys per block
 
-Two read paths, chosen by the static `impl`:
+Four read paths, chosen by the static `impl`:
   reference  gather each row's M pages into a dense [B, M*S, K, H] and call layers.gqa_attention
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
-  fast       for decode (T == 1), a `while_loop` over blocks of C pages, up to the most pages any
-             row uses, with an online (flash-style) fp32 softmax masked per row beyond its own
-             position. Prefill (T > 1) falls back to the reference.
-Why "fast" is fast: bytes read per layer ∝ max_b(len_b) * K * H, not M * S * K * H; with M sized
+  bucketed   (the engine's default) for decode (T == 1), one masked softmax over the first n pages of
+             every row, n = the longest row's page count rounded up to a power of two, chosen by a
+             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls.
+  pallas     for decode, one Pallas kernel reading pages in place (pallas_paged.py; interpret mode
+             off GPU, so on CPU it is a test of the kernel, not a fast path).
+  fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
+             with an online (flash-style) fp32 softmax masked per row beyond its own position.
+  Prefill (T > 1) always takes the reference path.
+All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
+first (`k_LPSKH[layer]`) copies the layer's whole pool every step, so a step cost as much as the
+pool is big (measured 7.9 / 73 / 199 ms at 256 / 2,048 / 8,192 pages; flat after the change).
+A row with position < 0 (an idle decode slot) writes nothing, reads no page and adds no width.
+Why bucketed/fast are fast: bytes read per layer ∝ max_b(len_b) * K * H, not M * S * K * H; with M sized
 for the longest possible completion and most rows far shorter, that is the difference between
-reading the cache you have and the cache you might have. Trade-offs: every row pays for the
-longest row (masked, not skipped); each loop iteration is a gather + two small matmuls, so tiny
-blocks are loop-overhead bound on CPU (hence W ≈ `block_tokens` keys per block, not one page); on
-GPU each iteration is a few kernel launches (and, unless the loop runs as a CUDA-graph conditional,
-a host read of the loop predicate), so blocks should be larger there, and a fused Pallas kernel that
-reads pages in place would remove the per-block gather copy altogether. Measured on a 2-core CPU,
-one layer's decode step, B=8 N=16 K=8 H=128 S=16, M*S=2048, ~256 tokens cached: reference 100-150 ms
-(it gathers all 2048 slots of every row), fast 1.6 ms at 32 keys/block, 3.7 ms at 128; small blocks
-stay in cache on CPU. The default of 128 keys/block is a guess for GPUs, not yet measured there.
+reading the cache you have and the cache you might have. Every row pays for the longest row
+(masked, not skipped). On a 2-core CPU each while-loop trip costs a few small kernels, so `fast`
+loses to `bucketed` there (tiny preset, 16 slots, ~64-token contexts: 0.30 ms a step against 0.9);
+on GPU a fused Pallas kernel that reads pages in place removes the gather copy altogether.
+Note for anyone wrapping a decode step: a `lax.cond` whose branches carry the pool (e.g. to skip
+idle steps) makes XLA copy the whole pool every step; engine.generate stops early with a
+`while_loop` condition instead.
 
 Writes: each token's K/V is scattered to (page, slot). A position whose page is -1 (unassigned:
 padding rows, prefill right-padding past the row's pages, positions >= M*S) is mapped to page
@@ -42,7 +49,7 @@ from flax import struct
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.layers import gqa_attention
 
-IMPLS = ("reference", "fast")
+IMPLS = ("reference", "fast", "bucketed", "pallas")
 _MASKED = -1e30  # finite, as in layers.py: masked logits never make inf - inf = NaN
 
 
@@ -97,6 +104,16 @@ class PagedKVCache:
     new = self.write(layer, k_BTKH, v_BTKH, positions_BT)
     # The reads index (layer, page) in one gather on the whole pool: slicing `k_LPSKH[layer]` first
     # would copy the layer's entire pool every step (inside a loop XLA cannot fuse the slice away).
+    if self.impl == "pallas" and q_BTNH.shape[1] == 1:
+      from jaxrl_topo.rollout.pallas_paged import decode_attention  # Pallas imports only when used
+
+      out_BNH = decode_attention(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, self.table_BM, positions_BT[:, 0],
+                                 layer=layer, page_size=self.page_size)
+      return out_BNH[:, None], new
+    if self.impl == "bucketed" and q_BTNH.shape[1] == 1:
+      out_BNH = _decode_bucketed(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],
+                                 self.page_size)
+      return out_BNH[:, None], new
     if self.impl == "fast" and q_BTNH.shape[1] == 1:
       out_BNH = _decode_blocks(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],
                                self.page_size, self.block_tokens)
@@ -155,3 +172,34 @@ def _decode_blocks(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_si
   _, l_BKG, acc_BKGH = jax.lax.fori_loop(0, trips, block, init)
   out_BKGH = acc_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
   return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+
+
+def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_size: int):
+  """One query per row; one masked softmax over the first n pages of every row, n = the longest
+  row's page count rounded up to a power of two (a `lax.switch` over log2(M) + 1 static widths).
+  No loop: one gather and two matmuls, reading at most twice the longest row's pages."""
+  M = table_BM.shape[1]
+  S = page_size
+  widths = sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
+  used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
+  branch = jnp.searchsorted(jnp.asarray(widths), used)  # first width >= used (used = 0 -> width 1)
+
+  def attend(n):
+    def f(q_BNH):
+      B, N, H = q_BNH.shape
+      K = k_LPSKH.shape[3]
+      pages_Bn = table_BM[:, :n]
+      k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
+      v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
+      mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
+      q_BKGH = q_BNH.reshape(B, K, N // K, H)
+      logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
+      logits_BKGW = jnp.where(mask_BW[:, None, None, :], logits_BKGW, _MASKED)
+      p_BKGW = jnp.where(mask_BW[:, None, None, :], jnp.exp(logits_BKGW - logits_BKGW.max(-1, keepdims=True)), 0.0)
+      l_BKG = p_BKGW.sum(-1)
+      out_BKGH = jnp.einsum("BKGW,BWKH->BKGH", p_BKGW.astype(v_BWKH.dtype), v_BWKH, preferred_element_type=jnp.float32)
+      out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
+      return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+    return f
+
+  return jax.lax.switch(branch, [attend(n) for n in widths], q_BNH)

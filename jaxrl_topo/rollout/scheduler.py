@@ -26,6 +26,9 @@ if TYPE_CHECKING:
   from jaxrl_topo.rollout.engine import RolloutEngine
 
 
+MAX_STOP_IDS = 4  # per-request stop ids beyond eos_ids (static width of the device array)
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   prompt_ids: Sequence[int]
@@ -45,22 +48,49 @@ class Sample:
   finish_reason: str = ""  # "stop" | "length"
 
 
+def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
+  """Every request must fit the engine; errors name the request, raised before any compilation."""
+  e = eng.ecfg
+  for r, req in enumerate(requests):
+    n = len(req.prompt_ids)
+    if n == 0 or req.max_new_tokens <= 0 or req.n <= 0:
+      raise ValueError(f"request {r}: needs a non-empty prompt, max_new_tokens > 0 and n > 0")
+    if n + req.max_new_tokens > e.max_len:
+      raise ValueError(f"request {r}: prompt {n} + max_new_tokens {req.max_new_tokens} > max_len {e.max_len}")
+    if req.n > e.n_slots:
+      raise ValueError(f"request {r}: n={req.n} samples need as many decode slots; the engine has {e.n_slots}")
+    group_pages = -(-(n + req.max_new_tokens) // e.page_size) * req.n
+    if group_pages > e.n_pages:
+      raise ValueError(f"request {r}: its {req.n} samples can need {group_pages} pages; the pool has {e.n_pages}")
+    if len(req.stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"request {r}: at most {MAX_STOP_IDS} stop ids")
+    if req.stop_strings and (eng.detokenize is None or not all(req.stop_strings)):
+      raise ValueError(f"request {r}: stop strings need non-empty strings and an engine built with detokenize=")
+    if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= eng.cfg.vocab_size:
+      raise ValueError(f"request {r}: token ids must lie in [0, {eng.cfg.vocab_size})")
+
+
 def run_loop(eng: RolloutEngine, requests: Sequence[Request], on_chunk) -> list[Sample]:
   loop = _Loop(eng, requests)
   overlap = eng.ecfg.overlap
-  lookahead = eng.ecfg.decode_chunk * (2 if overlap else 1)  # writes of the unread chunk + the next one
   inflight = None
-  while loop.queue or loop.live or inflight is not None:
+  while loop.queue or loop.live or loop.pinned or inflight is not None:
     if eng._pending is not None and (eng._pending.policy != "finish_on_old" or not loop.live):
       loop.land_update()
+    # Pages for the unread chunk's writes and the next one's. Short chunks while requests wait (a
+    # finished slot is refilled soon), long ones in the tail (fewer host round trips; idle steps are skipped).
+    unread = inflight.chunk[0].shape[0] if inflight is not None else 0
     if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
-      loop.fill(lookahead)
+      loop.fill(unread + eng.ecfg.decode_chunk)
       eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
+    waiting = bool(loop.queue or loop.pinned)
+    n_steps = eng.ecfg.decode_chunk if waiting else eng.ecfg.tail_steps
     dispatched = None
     if loop.live:
-      loop.reserve(lookahead)
+      loop.reserve(unread + n_steps)
       if loop.live:
-        dispatched = eng._dispatch()
+        dispatched = eng._dispatch(n_steps)
+        dispatched.queued = waiting
     if not overlap and dispatched is not None:
       inflight, dispatched = dispatched, None
     if inflight is not None:
@@ -70,6 +100,7 @@ def run_loop(eng: RolloutEngine, requests: Sequence[Request], on_chunk) -> list[
     inflight = dispatched
   if eng._pending is not None:
     eng._swap()
+  loop.drop_pins()  # (none are left: every pinned sample found a slot)
   return [loop.out[(r, i)] for r, req in enumerate(requests) for i in range(req.n)]
 
 
@@ -83,32 +114,84 @@ class _Loop:
     # (request, samples, resume): resume = continue out[(r, i)] from its tokens so far (one sample)
     self.queue = collections.deque((r, list(range(req.n)), False) for r, req in enumerate(requests))
     self.live: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
+    # A group admitted with fewer free slots than samples: its prompt stays pinned and the rest start
+    # (first token sampled at the prefill) as slots free up. request -> (pin id, samples waiting)
+    self.pinned: dict[int, tuple[int, collections.deque]] = {}
 
   def fill(self, lookahead: int) -> None:
-    """Admits queued groups while slots and pages allow (a whole group at once: one prefill). The
-    prefills go out as one wave with the next dispatch."""
+    """Starts pinned groups' waiting samples, then admits queued groups while slots and pages allow:
+    a group prefills once; with fewer free slots than samples, the rest wait on its pinned prompt.
+    The prefills go out as one wave with the next dispatch."""
     eng = self.engine
+    fits, held = self._fill_pinned(lookahead)
+    if not fits:
+      if self.live:
+        return
+      self.drop_pins()  # nothing live to wait for: prefill those samples afresh
+      held = 0
     while self.queue:
+      free = eng.ecfg.n_slots - len(self.live) - held
       r, samples, resume = self.queue[0]
       req = self.requests[r]
-      if len(samples) > eng.ecfg.n_slots - len(self.live):
+      if free == 0 or (resume and len(samples) > free):
         return
+      now, later = samples[:free], samples[free:]
       done = self.out[(r, samples[0])].tokens if resume else []
       try:
-        slots = eng._admit_group(list(req.prompt_ids) + done, [int(self.base[r]) + i for i in samples],
-                                 max_new_tokens=req.max_new_tokens - len(done), stop_ids=req.stop_ids,
-                                 lookahead=lookahead)
+        slots, pin = eng._admit_group(list(req.prompt_ids) + done, [int(self.base[r]) + i for i in now],
+                                      max_new_tokens=req.max_new_tokens - len(done), stop_ids=req.stop_ids,
+                                      lookahead=lookahead, later=[int(self.base[r]) + i for i in later])
       except OutOfPages:
         if not self.live:
           raise RuntimeError(f"request {r} does not fit the empty pool") from None
         return
       self.queue.popleft()
       eng.stats["resumed"] += resume
-      for slot, i in zip(slots, samples, strict=True):
-        sample = self.out[(r, i)]
+      for i in samples:
         if not resume:
+          sample = self.out[(r, i)]
           sample.tokens, sample.logprobs, sample.gen_ids = [], [], []
+      for slot, i in zip(slots, now, strict=True):
         self.live[slot] = (r, i)
+      if later:
+        self.pinned[r] = (pin, collections.deque(later))
+        eng.stats["pinned_groups"] += 1
+
+  def _fill_pinned(self, lookahead: int) -> tuple[bool, int]:
+    """Waiting samples of pinned groups into free slots, oldest group first: (False if out of pages,
+    samples still waiting for their first token to be read, for whom free slots are held back)."""
+    eng = self.engine
+    held = 0
+    for r in list(self.pinned):
+      pin, waiting = self.pinned[r]
+      req = self.requests[r]
+      while waiting and len(self.live) < eng.ecfg.n_slots:
+        sid = int(self.base[r]) + waiting[0]
+        if (sid, pin) not in eng.first_of:  # sampled by a prefill whose results are not read yet
+          held += len(waiting)
+          break
+        try:
+          slot = eng.fork_pinned(pin, sid, len(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                                 stop_ids=req.stop_ids, lookahead=lookahead)
+        except OutOfPages:
+          return False, held
+        self.live[slot] = (r, waiting.popleft())
+        tok, lp, gen_id = eng.first_of.pop((sid, pin))
+        self._append(slot, [tok], [lp], [gen_id])
+      if not waiting:
+        del self.pinned[r]
+        eng.pool.unpin(pin)
+    return True, held
+
+  def drop_pins(self) -> None:
+    """Releases every pin; its waiting samples go back to the queue (prefilled afresh later)."""
+    eng = self.engine
+    for r, (pin, waiting) in sorted(self.pinned.items(), reverse=True):
+      eng.pool.unpin(pin)
+      for i in waiting:
+        eng.first_of.pop((int(self.base[r]) + i, pin), None)
+      self.queue.appendleft((r, list(waiting), False))
+    self.pinned.clear()
 
   def collect(self, new: dict[int, tuple[list[int], list[float], list[int]]]) -> None:
     for slot, (toks, lps, gids) in new.items():
@@ -146,6 +229,9 @@ class _Loop:
           eng.pool.ensure_capacity(slot, int(min(lookahead, eng.host.left_B[slot])))
           break
         except OutOfPages as err:
+          if self.pinned:  # pinned prompts go first: their samples can be prefilled again
+            self.drop_pins()
+            continue
           seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
           for seq in eng.pool.preempt_youngest(err.needed):
             victim = seq_to_slot[seq]
@@ -157,6 +243,7 @@ class _Loop:
   def land_update(self) -> None:
     """Applies pending weights; under abort_and_resume every live sequence is requeued to resume."""
     eng = self.engine
+    self.drop_pins()  # samples waiting on a pinned prompt start under the new weights
     if eng._pending.policy == "abort_and_resume":
       for slot, (r, i) in sorted(self.live.items(), reverse=True):
         eng.free(slot)

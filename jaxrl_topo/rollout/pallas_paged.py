@@ -1,0 +1,109 @@
+"""Decode attention over the paged pool as one Pallas kernel: pages are read in place, no gather copy.
+
+Grid (B rows, K KV heads). Program (b, k) walks row b's pages 0 .. pos_b // S through the page table
+(one page of S keys per trip, read straight out of the [L, P, S, K, H] pool at (layer, page, :, k, :)),
+keeping an online (flash-style) fp32 softmax for the G = N / K query heads that share KV head k.
+A row with pos < 0 (an idle slot) makes no trips and returns zeros. Keys past pos are masked.
+Alphabet as in paged.py: L layers, P pages, S slots per page, K KV heads, G query heads per KV head,
+H head dim, B rows, M pages per row.
+
+On GPU (Triton lowering) the block dims must be powers of two and G, S, H large enough for `tl.dot`
+(>= 16); `supported` checks that, and the engine falls back to the XLA path otherwise. On CPU the
+kernel runs in Pallas interpret mode, which is how tests check it against the reference read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+try:
+  from jax.experimental import pallas as pl
+except ImportError:  # pragma: no cover  (an install without Pallas: "auto" picks the XLA read)
+  pl = None
+
+_MASKED = -1e30
+
+
+def supported(cfg, page_size: int, backend: str | None = None) -> bool:
+  """Shapes the GPU kernel accepts (interpret mode accepts all)."""
+  backend = backend or jax.default_backend()
+  if pl is None:
+    return False
+  if backend != "gpu":
+    return True
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+  G = cfg.n_heads // cfg.n_kv_heads
+  return pow2(G) and pow2(page_size) and pow2(cfg.head_dim)
+
+
+def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_size: int):
+  b, kh = pl.program_id(0), pl.program_id(1)
+  S = page_size
+  pos = pos_ref[b]
+  q_GH = q_ref[...].astype(jnp.float32)
+  G, H = q_GH.shape
+  n_pages = jnp.where(pos >= 0, pos // S + 1, 0)
+
+  def trip(j, carry):
+    m_G, l_G, acc_GH = carry
+    page = jnp.maximum(table_ref[b, j], 0)
+    k_SH = k_ref[layer, page, :, kh, :].astype(jnp.float32)
+    v_SH = v_ref[layer, page, :, kh, :].astype(jnp.float32)
+    s_GS = jnp.dot(q_GH, k_SH.T) * H**-0.5
+    keep_S = j * S + jnp.arange(S) <= pos
+    s_GS = jnp.where(keep_S[None, :], s_GS, _MASKED)
+    m_new_G = jnp.maximum(m_G, s_GS.max(axis=1))
+    p_GS = jnp.where(keep_S[None, :], jnp.exp(s_GS - m_new_G[:, None]), 0.0)
+    scale_G = jnp.exp(m_G - m_new_G)
+    return m_new_G, l_G * scale_G + p_GS.sum(axis=1), acc_GH * scale_G[:, None] + jnp.dot(p_GS, v_SH)
+
+  init = (jnp.full((G,), _MASKED, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
+  _, l_G, acc_GH = jax.lax.fori_loop(0, n_pages, trip, init)
+  o_ref[...] = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret"))
+def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, page_size: int,
+                     interpret: bool | None = None):
+  """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros)."""
+  B, N, H = q_BNH.shape
+  K = k_LPSKH.shape[3]
+  G = N // K
+  interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+  q_BKGH = q_BNH.reshape(B, K, G, H)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
+  row_head = pl.BlockSpec((None, None, G, H), lambda b, k: (b, k, 0, 0))
+  out_BKGH = pl.pallas_call(
+      functools.partial(_kernel, layer=layer, page_size=page_size),
+      out_shape=jax.ShapeDtypeStruct((B, K, G, H), q_BNH.dtype),
+      grid=(B, K),
+      in_specs=[whole(table_BM), whole(pos_B), row_head, whole(k_LPSKH), whole(v_LPSKH)],
+      out_specs=row_head,
+      interpret=interpret,
+  )(table_BM, pos_B, q_BKGH, k_LPSKH, v_LPSKH)
+  return out_BKGH.reshape(B, N, H)
+
+
+def resolve_impl(impl: str, cfg, page_size: int) -> str:
+  """EngineConfig.impl "auto": the Pallas kernel on GPU when it imports, its shape limits allow and a
+  one-row trial compiles and agrees with the XLA read; else "bucketed" (XLA)."""
+  if impl != "auto":
+    return impl
+  if jax.default_backend() != "gpu" or not supported(cfg, page_size):
+    return "bucketed"
+  try:
+    from jaxrl_topo.rollout.paged import _decode_bucketed
+
+    L, K, N, H = 1, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
+    k = jax.random.normal(jax.random.key(0), (L, 2, page_size, K, H), jnp.dtype(cfg.dtype))
+    q = jax.random.normal(jax.random.key(1), (1, N, H), jnp.dtype(cfg.dtype))
+    table, pos = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([page_size + 1], jnp.int32)
+    got = decode_attention(q, k, -k, table, pos, layer=0, page_size=page_size)
+    want = _decode_bucketed(q, k, -k, 0, table, pos, page_size)
+    ok = bool(jnp.allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2))
+  except Exception:  # noqa: BLE001  (any lowering failure means: not on this GPU)
+    return "bucketed"
+  return "pallas" if ok else "bucketed"
