@@ -73,21 +73,24 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
                          page_size=S, impl=impl, block_tokens=8)  # 8 keys/block: several loop trips
     return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)
 
-  (fast, fast_cache), (ref, ref_cache) = run("fast"), run("reference")
+  (fast, fast_cache), (ref, ref_cache), (buck, buck_cache) = run("fast"), run("reference"), run("bucketed")
+  pallas, pallas_cache = run("pallas")  # the GPU kernel, in Pallas interpret mode on CPU
   k_want, v_want = k_pool.copy(), v_pool.copy()
   for b in range(4):
     k_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = k_new[b, 0]
     v_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = v_new[b, 0]
-  for cache in (fast_cache, ref_cache):  # exactly the four new slots of layer 1 changed
+  for cache in (fast_cache, ref_cache, buck_cache, pallas_cache):  # exactly the four new slots of layer 1 changed
     np.testing.assert_array_equal(cache.k_LPSKH, k_want)
     np.testing.assert_array_equal(cache.v_LPSKH, v_want)
   want = _numpy_attention(q[:, 0], k_want[1], v_want[1], table, pos[:, 0])
   np.testing.assert_allclose(ref[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(fast[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(buck[:, 0], want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(pallas[:, 0], want, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("impl", ["reference", "fast", "bucketed"])
 def test_unassigned_pages_drop_writes(impl):
   """A row with no pages writes nothing (not to page 0, not to page P-1); a half-paged row writes its page only."""
   S, P = 4, 6
@@ -143,7 +146,7 @@ def _ragged_case(seed, T=12, n_new=6):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("impl", ["reference", "fast", "bucketed", "pallas"])
 def test_paged_model_matches_dense_and_full_forward(model, page_size, impl):
   graphdef, params = model
   rng, prompts, lens, steps = _ragged_case(0)
@@ -161,7 +164,7 @@ def test_paged_model_matches_dense_and_full_forward(model, page_size, impl):
   np.testing.assert_allclose(paged, dense, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("impl", ["reference", "fast", "bucketed"])
 def test_shared_prompt_pages_decode_as_if_unshared(model, impl):
   """GRPO prefix sharing: two rows read the same physical prompt pages, each writes its own pages."""
   graphdef, params = model
@@ -208,3 +211,23 @@ def test_decode_step_compiles_once_and_donates(model):
     got.append(np.asarray(logits_B1V[:, 0]))
   want = _full_forward(graphdef, params, prompts, lens, steps)[:, 1:]
   np.testing.assert_allclose(np.stack(got, axis=1), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["fast", "bucketed", "pallas"])
+def test_an_idle_row_writes_nothing_and_reads_nothing(impl):
+  """Position -1 (an idle decode slot): the pool is unchanged and the row's output is zero, while
+  the live row beside it attends as usual."""
+  S, P = 4, 6
+  k_pool = jax.random.normal(jax.random.key(3), (CFG.n_layers, P, S, CFG.n_kv_heads, CFG.head_dim))
+  cache = PagedKVCache(k_LPSKH=k_pool, v_LPSKH=-k_pool, table_BM=jnp.asarray([[2, 4], [1, 3]], jnp.int32),
+                       page_size=S, impl=impl)
+  q = jax.random.normal(jax.random.key(4), (2, 1, CFG.n_heads, CFG.head_dim))
+  new = jnp.ones((2, 1, CFG.n_kv_heads, CFG.head_dim))
+  out, got = jax.jit(lambda c: c.attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)
+  want_k = np.asarray(k_pool).copy()
+  want_k[1, 3, 1] = 1.0  # only the live row's position 5 = page 3, slot 1
+  np.testing.assert_array_equal(got.k_LPSKH, want_k)
+  np.testing.assert_array_equal(out[0], 0.0)
+  ref, _ = jax.jit(lambda c: c.replace(impl="reference").attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(
+      cache)
+  np.testing.assert_allclose(out[1], ref[1], atol=2e-5, rtol=0)
