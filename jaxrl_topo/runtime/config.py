@@ -110,8 +110,11 @@ class RolloutSpec:
   update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
+  kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
 
   def __post_init__(self):
+    if self.kv_dtype is not None and self.kv_dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected float32, bfloat16, float16 or None")
     if self.update_policy not in UPDATE_POLICIES:
       raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
