@@ -154,3 +154,15 @@ def test_too_few_devices_hints_at_fake_cpu_devices(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.topology.mode=async")
   assert r.returncode == 2 and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr
   assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
+
+
+def test_child_env_keeps_the_users_xla_flags_and_accelerators(monkeypatch):
+  """Before: JAX_PLATFORMS=cpu was forced whenever it was unset (a GPU host silently ran on CPU) and
+  XLA_FLAGS was replaced by the fake-device flag."""
+  env = local_multiprocess.child_env(0, 2, 1, 4, base={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_dump_to=/tmp/d "
+                                                       "--xla_force_host_platform_device_count=8"})
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
+  assert local_multiprocess.child_env(0, 2, 1, 4, base={"JAX_PLATFORMS": "cuda"}).get("XLA_FLAGS") is None
+  monkeypatch.setattr(local_multiprocess.os.path, "exists", lambda p: p == "/dev/nvidia0")  # a GPU host
+  env = local_multiprocess.child_env(0, 2, 1, 4, base={"XLA_FLAGS": "--xla_dump_to=/tmp/d"})
+  assert "JAX_PLATFORMS" not in env and env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
