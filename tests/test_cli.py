@@ -166,3 +166,24 @@ def test_child_env_keeps_the_users_xla_flags_and_accelerators(monkeypatch):
   monkeypatch.setattr(local_multiprocess.os.path, "exists", lambda p: p == "/dev/nvidia0")  # a GPU host
   env = local_multiprocess.child_env(0, 2, 1, 4, base={"XLA_FLAGS": "--xla_dump_to=/tmp/d"})
   assert "JAX_PLATFORMS" not in env and env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
+def test_fresh_clears_only_the_runs_files(tmp_path):
+  """--fresh (train.py's start_over) removes the run's files and keeps anything else in the workdir;
+  after it the workdir check passes."""
+  work = tmp_path / "w"
+  (work / "checkpoints" / "4").mkdir(parents=True)
+  (work / "init_model").mkdir()
+  (work / "init_model" / "config.json").write_text("{}")
+  (work / "config.json").write_text('{"model": {"preset": "other"}}')
+  (work / "notes.txt").write_text("mine")
+  code = ("import json, sys; sys.path.insert(0, 'launchers'); import train\n"
+          f"w = {str(work)!r}\n"
+          "new = json.dumps({'model': {'preset': 'tiny'}})\n"
+          "try:\n  train.check_workdir(new, w)\nexcept Exception as e:\n  print('REFUSED', e)\n"
+          "print('GONE', sorted(train.start_over(w)))\ntrain.check_workdir(new, w)\nprint('OK')\n")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=60)
+  assert r.returncode == 0, r.stderr
+  assert "REFUSED" in r.stdout and "model.preset: 'other' -> 'tiny'" in r.stdout
+  assert "GONE ['checkpoints', 'config.json', 'init_model']" in r.stdout and r.stdout.strip().endswith("OK")
+  assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
