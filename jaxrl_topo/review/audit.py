@@ -47,9 +47,10 @@ _MODE_ENFORCEMENT = {
     "disaggregated": "Rollout of batch k+1 runs on the rollout devices while train step k is dispatched but not "
                      "awaited; step k's weights land between batches, so with eta = 1 batch k+1 is exactly one "
                      "version behind (eta = 0: fully sequential).",
-    "async": "Rollout batches run back to back; a dispatched train step's weights land between decode chunks, "
-             "after run.land_after_chunks={chunks} chunks of the running rollout (waiting for the step if it is "
-             "not finished), so a batch can mix versions but none older than eta.",
+    "async": "Rollout batches run back to back; a train step's weights land between decode chunks: at the first "
+             "chunk boundary after the step finished on its devices (with run.deterministic=True, and always "
+             "across processes: after run.land_after_chunks={chunks} chunks of the running rollout, waiting for "
+             "the step if it is not finished), so a batch can mix versions but none older than eta.",
 }
 
 UPDATE_POLICY_TEXT = {
