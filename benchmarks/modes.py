@@ -6,8 +6,8 @@
 Workload: the `tiny` model (random init, no warm-up), 8 prompts x 4 samples per step; each group's completion
 length is drawn lognormal (median --median tokens, sigma 1) and capped at 8x the median (and at the model's
 position limit), the same lengths in every mode (one seeded draw per step). The rollout never stops early: no
-stop string, and the engine is given each group's length as its max_new_tokens (a random model rarely emits
-EOS). Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async split
+stop string, no EOS (the engine's eos_ids are emptied), and the engine is given each group's length as its
+max_new_tokens. Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async split
 them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readiness-based landing).
 
 Per mode: measured steps/hour from wall time after the first step (which compiles), tokens/s, the rollout
@@ -66,6 +66,7 @@ def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
   lengths = _lengths(steps + 2, median, cap)
   cfg = _config(mode, steps, cap)
   exp = experiment.build(cfg, os.path.join(out, mode))
+  exp.engine.ecfg = dataclasses.replace(exp.engine.ecfg, eos_ids=())  # lengths are the drawn ones, never EOS
   drawn = iter(range(10**9))
   real_requests = loop._requests
 

@@ -321,7 +321,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     nonlocal version
     waited = not flight.watch.done.is_set()
     flight.watch.wait()  # device completion of the step (the watcher stamps it; this only waits)
-    t_pre = flight.watch.pre_done_at or flight.t0
+    t_pre = flight.watch.pre_done_at or flight.queued_at  # the step's program starts (compilation excluded)
     if flight.pre is not None:
       hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre))
     train = to_host(flight.metrics)
@@ -336,7 +336,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     m = _step_metrics(flight.traj, train, version - 1, cfg.rl.group_size)
     m.update(sync)
     m["time/train_s"] = end - t_pre
-    m["time/logprobs_s"] = t_pre - flight.t0
+    m["time/logprobs_s"] = t_pre - flight.t0 if flight.pre is not None else 0.0
     m["perf/overlap_tokens"] = overlap  # rollout tokens generated between enqueue and device completion
     m["perf/land_at_chunk"] = float(at_chunk)  # landed between decode chunks of a running batch (async)
     m["perf/land_waited"] = float(waited)  # the controller had to wait for the step to finish on its devices
