@@ -30,7 +30,7 @@ timed, the implementations taking turns within each repeat (so load from other p
 (time.perf_counter around the run, results fetched to the host). One JSON line per (impl, batch):
   wall_s        median of the timed runs (all of them in wall_s_all), prefills and host work included
   decode_steps  batched one-token forward passes executed (dense: sum over batches of longest - 1, the first token
-                comes from the prefill; paged: decode chunks x decode_chunk, idle slot-steps included)
+                comes from the prefill; paged: steps the chunks ran (a chunk stops once no row is live), idle slots in)
   step_s        wall_s / decode_steps;  tokens_per_s = generated tokens / wall_s
   bytes_per_step  weight bytes (all parameters, less an untied input embedding, of which a step reads B rows)
                 + useful KV bytes / decode_steps. Useful KV bytes = what the attention must read: a sequence of
@@ -128,7 +128,7 @@ def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, samp
     before = engine.stats.copy()
     samples = engine.run(requests)  # returns host lists: every chunk's tokens were fetched
     stats = engine.stats - before
-    return sum(len(s.tokens) for s in samples), stats["chunks"] * args.decode_chunk, stats
+    return sum(len(s.tokens) for s in samples), stats["slot_steps"] // batch, stats
 
   return once
 
@@ -182,29 +182,34 @@ def engine_rates(stats, tokens: int) -> dict:
 
 
 def pool_sweep(graphdef, cfg, params, args, common):
-  """One decode chunk at B=8 slots prefilled to each context, for each pool size: step_s against both."""
+  """One decode chunk at B=8 slots prefilled to each context, for each pool size: step_s against both.
+  Every configuration gets its own engine up front; the timed rounds then take them in turn, so load
+  from other processes hits all configurations alike."""
   B, K = 8, args.decode_chunk
   rng = np.random.default_rng(args.seed)
+  engines = {}
   for n_pages in (int(p) for p in args.pools.split(",")):
     for ctx in (int(c) for c in args.contexts.split(",")):
       max_len = -(-(ctx + K + 1) // args.page_size) * args.page_size
-      if B * max_len // args.page_size > n_pages:
-        continue
-      ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
-                          sampling=SAMPLED, eos_ids=(), min_bucket=ctx)
-      engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
-      walls = []
-      for rep in range(args.repeats + 1):
-        slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
-                 for b in range(B)]
-        t0 = time.perf_counter()
-        engine.generate()  # dispatch, run and read back one chunk
-        walls.append(time.perf_counter() - t0)
-        for slot in slots:
-          engine.free(slot)
-      wall = statistics.median(walls[1:])
-      print(json.dumps({"impl": "paged", "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
-                        "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, **common}), flush=True)
+      if B * max_len // args.page_size <= n_pages:
+        ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
+                            sampling=SAMPLED, eos_ids=(), min_bucket=ctx)
+        engines[(n_pages, ctx)] = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
+  walls = {key: [] for key in engines}
+  for rep in range(args.repeats + 1):  # round 0 compiles
+    for (n_pages, ctx), engine in engines.items():
+      slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
+               for b in range(B)]
+      t0 = time.perf_counter()
+      engine.generate()  # dispatch, run and read back one chunk
+      if rep:
+        walls[(n_pages, ctx)].append(time.perf_counter() - t0)
+      for slot in slots:
+        engine.free(slot)
+  for (n_pages, ctx), w in walls.items():
+    wall = statistics.median(w)
+    print(json.dumps({"impl": "paged", "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
+                      "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, "chunk_s_all": w, **common}), flush=True)
 
 
 def main():
