@@ -32,6 +32,7 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
+from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
@@ -80,60 +81,6 @@ _MAX_STOP_IDS = MAX_STOP_IDS
 
 
 UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")
-
-
-@dataclasses.dataclass
-class _SlotMirror:
-  """The host's view of the per-slot device arrays, as of the last chunk read (admitted slots not
-  yet read are assumed live). Kept from the chunk outputs; never read back from the state."""
-
-  last_B: np.ndarray
-  pos_B: np.ndarray
-  seq_B: np.ndarray
-  left_B: np.ndarray
-  active_B: np.ndarray
-  stop_BX: np.ndarray
-
-  @classmethod
-  def zeros(cls, n_slots: int) -> _SlotMirror:
-    z = lambda: np.zeros((n_slots,), np.int32)  # noqa: E731
-    return cls(z(), z(), z(), z(), np.zeros((n_slots,), bool), np.full((n_slots, _MAX_STOP_IDS), -1, np.int32))
-
-
-@dataclasses.dataclass
-class _Pending:
-  params: object
-  gen_id: int
-  policy: str
-
-
-@dataclasses.dataclass
-class _Wave:
-  """An admitted group waiting for its prefill: its slots' first tokens come back with a chunk."""
-
-  prompt_ids: list[int]
-  slots: list[int]
-  seq_ids: list[int]
-  max_new_tokens: int
-  stop_ids: tuple[int, ...]
-  copies: list[tuple[int, int]]
-  table_M: np.ndarray  # the prompt's pages (and the first slot's decode pages)
-  later: list[tuple[int, int]]  # (seq id, pin id) of samples sampled now, started later from the pin
-
-
-@dataclasses.dataclass
-class _Dispatched:
-  """Device results not yet read: first tokens of prefills (rows -> (slot, epoch, gen_id)) and a chunk."""
-
-  firsts: list[tuple[jax.Array, jax.Array, list[tuple[int, int, int]]]]
-  chunk: tuple | None = None  # (tokens_KB, logprobs_KB, emitted_KB, active_B)
-  epoch_B: np.ndarray | None = None
-  gen_id: int = 0
-  queued: bool = False  # requests were waiting for slots when it was dispatched
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
 
 
 class RolloutEngine:
