@@ -128,6 +128,21 @@ def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):
   assert eng.pool.pins() == [] and eng.pool.stats()["used_pages"] == 0
 
 
+def test_pinned_samples_awaiting_their_first_token_do_not_overbook_the_slots(tiny):
+  """4 slots, four groups of 3, one-token chunks with overlap: a pinned group's samples whose first
+  token is not read yet hold back more slots than are free. Admission must wait (it once admitted a
+  group into slots that were not there: OutOfSlots)."""
+  graphdef, params = tiny
+  prompts = _prompts(4, seed=21, max_len=10)
+  requests = [Request(p, n=3, max_new_tokens=m) for p, m in zip(prompts, [3, 9, 4, 7], strict=True)]
+  want = _engine(graphdef, params, n_slots=12, n_pages=160).run(requests)
+  eng = _engine(graphdef, params, decode_chunk=1, tail_chunk=1)
+  assert [s.tokens for s in eng.run(requests)] == [s.tokens for s in want]
+  assert eng.stats["pinned_groups"] >= 2
+  eng.pool.check()
+  assert eng.pool.pins() == [] and eng.pool.stats()["used_pages"] == 0
+
+
 def test_preemption_under_a_tiny_pool_gives_the_same_outputs(tiny):
   graphdef, params = tiny
   requests = [Request(p, max_new_tokens=16) for p in _prompts(6, seed=6, max_len=12)]

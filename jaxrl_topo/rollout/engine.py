@@ -33,7 +33,7 @@ from jaxrl_topo.rollout import device
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
 from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
-from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
+from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool, PoolExhausted
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
 from jaxrl_topo.rollout.sampling import SamplingConfig
@@ -197,7 +197,7 @@ class RolloutEngine:
           copies.append(copy)
       for slot in slots:
         self.pool.ensure_capacity(slot, min(lookahead, max_new_tokens - 1))
-    except OutOfPages:
+    except PoolExhausted:  # out of pages (or slots): nothing stays allocated
       if pin is not None:
         self.pool.unpin(pin)
       for slot in reversed(slots):

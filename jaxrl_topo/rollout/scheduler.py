@@ -133,7 +133,7 @@ class _Loop:
       free = eng.ecfg.n_slots - len(self.live) - held
       r, samples, resume = self.queue[0]
       req = self.requests[r]
-      if free == 0 or (resume and len(samples) > free):
+      if free <= 0 or (resume and len(samples) > free):  # held may exceed the free slots
         return
       now, later = samples[:free], samples[free:]
       done = self.out[(r, samples[0])].tokens if resume else []
