@@ -66,14 +66,15 @@ def check_workdir(config_json: str, workdir: str) -> None:
   if not _has_run(workdir):
     return
   if not os.path.isfile(path):
-    raise cli.UserError(f"{workdir} holds checkpoints but no config.json: use a new --workdir, or --fresh")
+    raise cli.UserError(f"{workdir} holds checkpoints but no config.json: use a new --workdir, or --fresh "
+                        "(--config.run.fresh=True)")
   with open(path) as f:
     old = json.load(f)
   diff = identity_diff(old, json.loads(config_json))
   if diff:
     raise cli.UserError(f"{workdir} holds another run (its config.json differs in {'; '.join(diff)}); nothing "
-                        "was changed. Use a new --workdir, or --fresh to start this one over (deletes its "
-                        "checkpoints).")
+                        "was changed. Use a new --workdir, or --fresh (--config.run.fresh=True) to start this one "
+                        "over (deletes its checkpoints).")
 
 
 def start_over(workdir: str) -> list[str]:
@@ -134,10 +135,11 @@ def main(argv: Sequence[str]) -> None:
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
   workdir = _WORKDIR.value
-  if _FRESH.value:
+  if _FRESH.value or cfg.run.fresh:
     gone = start_over(workdir) if os.environ.get("JAXRL_PROCESS_ID", "0") == "0" else []
     if gone:
       print(f"--fresh: removed {', '.join(gone)} from {workdir}")
+    _CONFIG.value.run.fresh = False  # a relaunch with the saved config.json resumes; it does not wipe
   else:
     check_workdir(_CONFIG.value.to_json(), workdir)  # before config.json is overwritten
   distributed.initialize()

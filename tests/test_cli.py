@@ -126,6 +126,12 @@ def test_a_workdir_of_another_run_is_refused_untouched(tmp_path):
   assert r.returncode == 2, r.stderr[-3000:]
   assert "holds another run" in r.stderr and "model.init_seed: 0 -> 7" in r.stderr and "--fresh" in r.stderr
   assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
+  # The config key does what --fresh does: the old run's files go (this launch then stops at the
+  # device check, an async topology on one CPU device, before anything new is written).
+  r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7", "--config.run.fresh=True",
+             "--config.topology.mode=async")
+  assert r.returncode == 2 and "removed checkpoints, config.json" in r.stdout, r.stdout + r.stderr[-3000:]
+  assert not (work / "checkpoints").exists() and not (work / "config.json").exists()
 
 
 @pytest.mark.slow

@@ -167,6 +167,17 @@ def test_png_written(tmp_path):
   assert os.path.getsize(path) > 1000
 
 
+def test_reward_curve_shows_accuracy_before_and_after_on_a_fixed_axis():
+  records = [{"step": s, "reward_mean": 0.1 * s} for s in range(4)]
+  records[1]["eval/accuracy"] = 0.5  # measured after step 1's update: drawn at 2
+  fig = M.reward_curve_figure(records, "run", accuracy=(0.363, 0.9))
+  ax, ax2 = fig.axes
+  (line,) = ax2.get_lines()
+  assert line.get_xdata().tolist() == [0, 2, 4] and line.get_ydata().tolist() == [0.363, 0.5, 0.9]
+  assert ax2.get_ylim() == (-0.02, 1.02)  # not zoomed on the points
+  assert "0.363 -> 0.900" in ax.get_title()
+
+
 def test_png_none_without_reward(tmp_path):
   w = _writer(tmp_path)
   w.log(0, {"loss": 1.0})

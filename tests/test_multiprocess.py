@@ -118,6 +118,8 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   with open(tmp_path / "mp" / "summary.json") as f:
     second = json.load(f)
   assert second["resumed_from"] == 3 and second["accuracy_after"] == first["accuracy_after"]
+  for k in ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s"):  # the run's figures survive
+    assert second[k] == first[k] is not None, k
 
 
 def _one_process_run(workdir):

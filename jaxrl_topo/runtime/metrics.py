@@ -290,8 +290,9 @@ class MetricsWriter:
         bins = np.arange(lo - 0.5, hi + 1.5)  # one bin centred on each integer
       self._tb.add_histogram(name, arr, step, bins=bins)
 
-  def close(self, *, plot: bool = True) -> str | None:
-    """Flushes and closes every sink; with `plot`, writes reward_curve.png and returns its path.
+  def close(self, *, plot: bool = True, accuracy: tuple[float, float] | None = None) -> str | None:
+    """Flushes and closes every sink; with `plot`, writes reward_curve.png and returns its path
+    (`accuracy`: the held-out accuracy before and after the run, drawn at its first and last step).
 
     The plot is drawn from metrics.jsonl, so a resumed run's curve covers the whole run. Returns None when
     plotting is off or there is no reward data. Closing twice is a no-op (the second returns None).
@@ -305,7 +306,7 @@ class MetricsWriter:
       self._tb.close()
     if self._bar is not None:
       self._bar.close()
-    return plot_reward_curve(self.workdir) if plot else None
+    return plot_reward_curve(self.workdir, accuracy=accuracy) if plot else None
 
   def __enter__(self) -> MetricsWriter:
     return self
@@ -314,23 +315,35 @@ class MetricsWriter:
     self.close(plot=exc_type is None)
 
 
-def plot_reward_curve(workdir: str, path: str | None = None) -> str | None:
+def plot_reward_curve(workdir: str, path: str | None = None, accuracy: tuple[float, float] | None = None) -> str | None:
   """Draws reward_mean (± reward_std) per step and held-out accuracy from metrics.jsonl into a PNG.
 
+  `accuracy`: (before, after) the run, drawn at step 0 and after the last step and named in the title.
   Returns the PNG's path (default `<workdir>/reward_curve.png`), or None when no record has a reward_mean.
   Uses matplotlib's Figure API directly (Agg canvas): no pyplot, no display, no global backend change.
   """
   if not os.path.exists(os.path.join(workdir, METRICS_FILE)):
     return None
   records = read_metrics(workdir)
-  reward = [(r["step"], r[REWARD_MEAN], r.get(REWARD_STD)) for r in records if r.get(REWARD_MEAN) is not None]
-  if not reward:
+  if not any(r.get(REWARD_MEAN) is not None for r in records):
     return None
-  acc = [(r["step"], r[EVAL_ACCURACY]) for r in records if r.get(EVAL_ACCURACY) is not None]
+  fig = reward_curve_figure(records, os.path.basename(os.path.abspath(workdir)), accuracy)
+  out = path or os.path.join(workdir, PLOT_FILE)
+  fig.savefig(out, format="png")
+  return out
 
+
+def reward_curve_figure(records: list[dict], name: str, accuracy: tuple[float, float] | None = None):
+  """The reward-curve Figure of metric records (at least one with a reward_mean). The held-out accuracy
+  axis is fixed at [0, 1], so the curves of different runs compare by eye."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
+  reward = [(r["step"], r[REWARD_MEAN], r.get(REWARD_STD)) for r in records if r.get(REWARD_MEAN) is not None]
+  # An eval logged with step s ran after step s's update: it is drawn at s + 1, where step s + 1's rollouts begin.
+  acc = [(r["step"] + 1, r[EVAL_ACCURACY]) for r in records if r.get(EVAL_ACCURACY) is not None]
+  if accuracy is not None:
+    acc = sorted({0: accuracy[0], **dict(acc), max(r["step"] for r in records) + 1: accuracy[1]}.items())
   fig = Figure(figsize=(8, 4.5), dpi=100)
   FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 1, 1)
@@ -350,9 +363,11 @@ def plot_reward_curve(workdir: str, path: str | None = None) -> str | None:
     handles += ax2.plot([s for s, _ in acc], [a for _, a in acc], color="tab:orange", marker="o", linestyle="--",
                         label="held-out accuracy")
     ax2.set_ylabel("held-out accuracy")
+    ax2.set_ylim(-0.02, 1.02)
   ax.legend(handles=handles, loc="best")
-  ax.set_title(f"Reward per step ({os.path.basename(os.path.abspath(workdir))})")
+  title = f"Reward per step ({name})"
+  if accuracy is not None:
+    title += f"; held-out accuracy {accuracy[0]:.3f} -> {accuracy[1]:.3f}"
+  ax.set_title(title)
   fig.tight_layout()
-  out = path or os.path.join(workdir, PLOT_FILE)
-  fig.savefig(out, format="png")
-  return out
+  return fig

@@ -46,6 +46,10 @@ def _kill_point(name: str, step: int, before: Callable[[], None] | None = None) 
     os._exit(137)
 
 
+# Figures of the steps a launch trained; a re-launch of a finished run keeps them from its summary.json.
+RUN_FIGURES = ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s")
+
+
 def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary."""
   if cfg.model.matmul_precision == "default":
@@ -88,14 +92,19 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if cfg.run.steps > start:
       _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before, [])
     if writer is not None:
-      writer.close(plot=cfg.run.plot)
+      writer.close(plot=cfg.run.plot, accuracy=(before, after))
     summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
                "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
                "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir,
                # wall clock from the end of the first step (compilation) to the last; eval excluded
                "steps_per_hour": last.get("perf/run_steps_per_hour"), "tokens_per_s": last.get("perf/run_tokens_per_s")}
     if _main():
-      with open(os.path.join(workdir, "summary.json"), "w") as f:
+      path = os.path.join(workdir, "summary.json")
+      if start >= cfg.run.steps and os.path.exists(path):  # nothing left to train: keep the run's own figures
+        with open(path) as f:
+          done = json.load(f)
+        summary.update({k: done[k] for k in RUN_FIGURES if done.get(k) is not None})
+      with open(path, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
   finally:

@@ -1,0 +1,84 @@
+"""ConfigDict -> frozen dataclasses, checked: unknown keys get a suggestion, every field is type-checked.
+
+Generic over any dataclass whose fields are plain types, tuples, dicts, unions or nested dataclasses;
+`runtime/config.py` applies it to the run's sections.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+
+def plain(value: Any) -> Any:
+  """ConfigDict / FrozenConfigDict -> dict, lists -> tuples, recursively."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, dict):
+    return {k: plain(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return tuple(plain(v) for v in value)
+  return value
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    options = typing.get_args(hint)
+    if value is None and type(None) in options:
+      return None
+    errors = []
+    for option in options:
+      if option is type(None):
+        continue
+      try:
+        return _check_type(value, option, where)
+      except (TypeError, ValueError) as e:
+        errors.append(str(e))
+    raise TypeError(errors[0] if errors else f"{where}: got {value!r}")
+  if hint is Any:
+    return value
+  if origin is dict:
+    if not isinstance(value, dict):
+      raise TypeError(f"{where} must be a dict, got {type(value).__name__}")
+    _, vt = typing.get_args(hint)
+    return {k: _check_type(v, vt, f"{where}.{k}") for k, v in value.items()}
+  if origin is tuple:
+    if not isinstance(value, tuple):
+      raise TypeError(f"{where} must be a list/tuple, got {type(value).__name__}")
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    return value
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  wrong = isinstance(hint, type) and (hint is int and isinstance(value, bool) or not isinstance(value, hint))
+  if wrong:
+    raise TypeError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+  return value
+
+
+def build_dataclass(cls, value: Any, where: str):
+  """`cls(**value)` with every key checked (typos get a suggestion) and every field type-checked."""
+  value = plain(value)
+  if not isinstance(value, dict):
+    raise TypeError(f"{where} must be a section (dict), got {type(value).__name__}")
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  kwargs = {}
+  for key, v in value.items():
+    if key not in names:
+      close = difflib.get_close_matches(key, names, n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {names}"
+      raise ValueError(f"config: unknown key {where}.{key}{hint}")
+    hint = hints[key]
+    sub = [t for t in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(t)]
+    if sub and isinstance(v, dict):
+      kwargs[key] = build_dataclass(sub[0], v, f"{where}.{key}")
+    else:
+      kwargs[key] = _check_type(v, hint, f"{where}.{key}")
+  try:
+    return cls(**kwargs)
+  except TypeError as e:  # a missing required field
+    raise ValueError(f"config section {where}: {e}") from None
