@@ -8,6 +8,7 @@ simulator runs on the stated assumptions; with it, on the run's measured spans, 
 the measured breakdown and staleness (exiting non-zero if the staleness bound was ever exceeded).
 """
 
+import sys
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -24,12 +25,13 @@ _DECODE = flags.DEFINE_float("decode_tokens_per_s", 2000.0, "Assumed decode toke
 _PER_SEQ = flags.DEFINE_float("per_seq_tokens_per_s", 50.0, "Assumed decode tokens/s of one sequence.")
 _LINK = flags.DEFINE_float("link_gbps", 100.0, "Trainer -> rollout link bandwidth, Gbit/s.")
 _N_DEVICES = flags.DEFINE_integer("n_devices", None, "Devices to split (default: what the topology uses).")
+_DEVICE_GB = flags.DEFINE_float("device_memory_gb", 80.0, "One device's memory, GB, for the fit check.")
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from jaxrl_topo.review.record import Assumptions, write_record
+  from jaxrl_topo.review.record import Assumptions, fit_warning, write_record
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.config import from_config_dict
 
@@ -37,10 +39,14 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("give --config, or --workdir of a run (its config.json is used)")
   cfg = from_config_dict(_CONFIG.value) if _CONFIG.value is not None else run.load_config(_WORKDIR.value)
   a = Assumptions(n_devices=_N_DEVICES.value, decode_tokens_per_s_per_device=_DECODE.value,
-                  per_seq_tokens_per_s=_PER_SEQ.value, train_s=_TRAIN_S.value, link_gbps=_LINK.value)
+                  per_seq_tokens_per_s=_PER_SEQ.value, train_s=_TRAIN_S.value, link_gbps=_LINK.value,
+                  device_memory_gb=_DEVICE_GB.value)
   fig = write_record(cfg, _OUT.value, workdir=_WORKDIR.value, assumptions=a)
   rates = ", ".join(f"{m} {v:.1f}" for m, v in fig["steps_per_hour"].items())
   print(f"wrote {_OUT.value}/record.md (steps/hour: {rates})")
+  warning = fit_warning(fig["memory"], cfg.topology.mode)
+  if warning:
+    print(f"WARNING: {warning}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,24 @@ def test_record_from_the_config_alone(tmp_path):
   assert "eta = 1" in page and "train_s=10.0" in page and "Fastest on these figures" in page
 
 
+def test_record_warns_when_the_state_cannot_fit_a_device(tmp_path):
+  """A 7B model trained on one device: fp32 weights, gradients and two moments are 4 x 30.5 GB, plus
+  the bf16 rollout copy colocated. Before: the record printed the 30 GB and no warning."""
+  from test_rl_loop import load_config
+
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  c = load_config("grpo_task", "tiny", **{"model.preset": "qwen2.5-7b"})
+  c.topology = dict(mode="colocated", trainer={"fsdp": 1}, rollout={"data": 1})
+  fig = write_record(from_config_dict(c), str(tmp_path))
+  mem = fig["memory"]
+  assert mem["trainer_state_per_device"] == 4 * fig["bytes"]["trainer_param_bytes_per_device"]
+  assert mem["largest_per_device"] == mem["trainer_state_per_device"] + fig["bytes"]["rollout_param_bytes_per_device"]
+  assert not mem["fits"] and "WARNING: does not fit" in (tmp_path / "record.md").read_text()
+  tiny = write_record(_cfg("disaggregated", steps=4), str(tmp_path / "tiny"))
+  assert tiny["memory"]["fits"] and "WARNING" not in (tmp_path / "tiny" / "record.md").read_text()
+
+
 @pytest.mark.slow
 def test_record_of_a_measured_run_is_consistent(tmp_path):
   from jaxrl_topo.runtime import run as run_lib

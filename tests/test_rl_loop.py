@@ -77,7 +77,9 @@ def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, mode_runs):
   assert min(eta, 1) <= max(lags) <= eta, f"{mode}: observed lags {lags} (eta={eta})"
   assert all(np.isfinite(r["loss"]) for r in records)
   with open(workdir / "summary.json") as f:
-    assert json.load(f)["mode"] == mode
+    summary = json.load(f)
+  assert summary["mode"] == mode and summary["prompts"]["n_skipped"] == 0
+  assert summary["prompts"]["n_kept"] == summary["prompts"]["n_rows"] > 0
   traces = [f for _, _, files in os.walk(workdir / "profile") for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), f"no profiler trace of step 2: {traces}"
   spans = run_lib.read_spans(str(workdir))

@@ -39,6 +39,21 @@ class Assumptions:
   sigma: float = 1.0
   max_ratio: float = 30.0
   changed_frac: float = 0.02  # delta sync
+  device_memory_gb: float = 80.0  # one accelerator's memory (H100 80 GB), for the fit check
+
+
+def memory_fit(step: bytes_lib.StepBytes, mode: str, device_memory_gb: float) -> dict:
+  """Per-device bytes of the state that lives for the whole run: the trainer's weights, gradients and two
+  AdamW moments (LoRA: the moments and gradients of the adapters only) and, colocated, the rollout's copy
+  on the same devices. Activations and the KV pool come on top, so `fits` False is certain, True is not."""
+  weights = step.trainer_param_bytes_per_device
+  trained = step.sync_lora if step.sync_lora is not None else weights
+  trainer = weights + 3 * trained
+  on_device = trainer + (step.rollout_param_bytes_per_device if mode == "colocated" else 0)
+  return {"trainer_state_per_device": trainer, "rollout_weights_per_device": step.rollout_param_bytes_per_device,
+          "largest_per_device": max(on_device, step.rollout_param_bytes_per_device),
+          "device_memory_gb": device_memory_gb,
+          "fits": max(on_device, step.rollout_param_bytes_per_device) <= device_memory_gb * 1e9}
 
 
 _WHY = {
@@ -106,7 +121,8 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
          "staleness": stale.to_dict(), "simulator_source": source, "sim_params": dataclasses.asdict(params),
          "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
-         "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions)}
+         "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions),
+         "memory": memory_fit(step, mode, assumptions.device_memory_gb)}
   predicted = None
   if spans:
     sim = timelines[mode]
@@ -128,6 +144,20 @@ def _gb(n: float | None) -> str:
   return "n/a" if n is None else f"{n / 1e9:.3g} GB"
 
 
+def fit_warning(memory: dict, mode: str) -> str | None:
+  """One line when the run's lasting state alone exceeds a device's memory, else None."""
+  if memory["fits"]:
+    return None
+  where = "trainer state and the rollout copy (colocated)" if mode == "colocated" else "the largest side's state"
+  return (f"does not fit: {where} need {_gb(memory['largest_per_device'])} per device, more than the "
+          f"{memory['device_memory_gb']:g} GB of one device; add trainer fsdp devices, use LoRA, or a smaller model")
+
+
+def _fit_lines(memory: dict, mode: str) -> list[str]:
+  warning = fit_warning(memory, mode)
+  return [f"- **WARNING: {warning}**"] if warning else []
+
+
 def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, predicted) -> str:
   b, mode = fig["bytes"], fig["mode"]
   rates = fig["steps_per_hour"]
@@ -135,6 +165,9 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
            "## Placement", f"- trainer axes {b['trainer_axes']}, rollout axes {b['rollout_axes']}",
            f"- policy weights per device: trainer {_gb(b['trainer_param_bytes_per_device'])}, "
            f"rollout {_gb(b['rollout_param_bytes_per_device'])}",
+           f"- trainer state per device (weights, gradients, AdamW moments): "
+           f"{_gb(fig['memory']['trainer_state_per_device'])}; activations and the KV pool come on top",
+           *_fit_lines(fig["memory"], mode),
            f"- why {mode}: {fig['why']}", "",
            "## Weight sync and bytes per step",
            f"- full sync ({b['sync_dtype']}): {_gb(b['sync_full'])} ({_gb(b['sync_full_per_rollout_device'])} per "

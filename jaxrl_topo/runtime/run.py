@@ -4,7 +4,7 @@
   init_model/        the random-init HF directory (preset runs only)
   checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
   metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
-  summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, ...
+  summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, prompts (overlong counts), ...
 
 Resume: the newest complete checkpoint restores the train state, the weights version (gen_id =
 step), the batches already produced for later steps (disaggregated / async: generated under older
@@ -18,6 +18,7 @@ Checkpoints every `run.checkpoint_every` steps (default 10) and at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -97,7 +98,9 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
                "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
                "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir,
                # wall clock from the end of the first step (compilation) to the last; eval excluded
-               "steps_per_hour": last.get("perf/run_steps_per_hour"), "tokens_per_s": last.get("perf/run_tokens_per_s")}
+               "steps_per_hour": last.get("perf/run_steps_per_hour"), "tokens_per_s": last.get("perf/run_tokens_per_s"),
+               # training prompts over data.max_prompt_len: skipped or truncated per data.overlong
+               "prompts": dataclasses.asdict(exp.prompts.stats)}
     if _main():
       path = os.path.join(workdir, "summary.json")
       if start >= cfg.run.steps and os.path.exists(path):  # nothing left to train: keep the run's own figures
