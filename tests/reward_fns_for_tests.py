@@ -52,3 +52,9 @@ def dies(prompts, completions, metadata):
 
 def imported_jax(prompts, completions, metadata):
   return [float("jax" in sys.modules)] * len(completions)
+
+
+def slow_length(prompts, completions, metadata):
+  """`length` after 0.5 s: a reward that takes long enough to show whether it ran in the background."""
+  time.sleep(0.5)
+  return [float(len(c)) for c in completions]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.rl import rewards
-from jaxrl_topo.rl.reward_pool import RewardPool, score_inline
+from jaxrl_topo.rl.reward_pool import RewardPool, RewardsFailing, score_inline
 from jaxrl_topo.rl.rewards import answers_equal, extract_answer, format_reward, math_answer
 
 M = "reward_fns_for_tests:"  # tests/reward_fns_for_tests.py, importable in the workers too
@@ -125,6 +125,25 @@ def test_pool_kills_a_hanging_call_and_goes_on():
   assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)  # no zombies
   with pytest.raises(RuntimeError, match="closed"):
     pool.score([""], ["x"])
+
+
+def test_submitted_batches_score_in_the_background_and_collect_as_one_call():
+  """submit returns at once while the workers score; collect concatenates the tickets in order and
+  the circuit breaker counts the collect as one call (three tickets, one failing streak step)."""
+  with RewardPool([(M + "slow_length", 1.0)], n_workers=3) as pool:  # one worker per call
+    t0 = time.monotonic()
+    tickets = [pool.submit([""] * 2, ["ab", "abc"]), pool.submit([""], ["abcd"])]
+    assert time.monotonic() - t0 < 0.3, "submit waited for the scores"
+    time.sleep(0.7)  # the caller's own work; the workers score meanwhile
+    pool.poll()
+    t1 = time.monotonic()
+    res = pool.collect(tickets)
+    assert time.monotonic() - t1 < 0.3, "the scores were not computed in the background"
+    np.testing.assert_array_equal(res.total_N, [2, 3, 4])
+  with RewardPool([(M + "raises", 1.0)], n_workers=1, max_error_calls=2) as pool:
+    pool.collect([pool.submit([""], ["a"]) for _ in range(3)])  # one call: the streak is 1
+    with pytest.raises(RewardsFailing):
+      pool.collect([pool.submit([""], ["a"])])
 
 
 def test_pool_fails_early_on_bad_arguments():

@@ -36,12 +36,10 @@ and chunking are the same, but no timeout can be enforced and a crash takes down
 it for tests and small demos.
 """
 
-import contextlib
 import dataclasses
 import math
 import multiprocessing
 import multiprocessing.connection
-import signal
 import sys
 import time
 import weakref
@@ -53,8 +51,7 @@ from absl import logging
 
 from jaxrl_topo.cli import UserError
 from jaxrl_topo.rl import rewards
-
-_KILL_GRACE_S = 1.0  # after SIGTERM, this long before SIGKILL
+from jaxrl_topo.rl.reward_worker import KILL_GRACE_S, Worker, stop_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +120,21 @@ def _result(specs: Sequence[_Spec], scores_FN: np.ndarray, errors: int, timeouts
                       why=why)
 
 
+def _concat(specs: Sequence[_Spec], parts: Sequence[RewardResult]) -> RewardResult:
+  """Results of consecutive item ranges as one result over all their items."""
+  if len(parts) == 1:
+    return parts[0]
+  failed: dict[str, int] = {}
+  for p in parts:
+    for name, bad in p.failed.items():
+      failed[name] = failed.get(name, 0) + bad
+  cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0,), np.float32)  # noqa: E731
+  return RewardResult(total_N=cat([p.total_N for p in parts]),
+                      per_fn={s.name: cat([p.per_fn[s.name] for p in parts]) for s in specs},
+                      errors=sum(p.errors for p in parts), timeouts=sum(p.timeouts for p in parts), failed=failed,
+                      why=next((p.why for p in reversed(parts) if p.why), ""))
+
+
 class RewardsFailing(UserError):
   """The circuit breaker: a reward function failed on too many items for too many calls in a row."""
 
@@ -182,66 +194,6 @@ def score_inline(fns: Sequence[tuple[str, float]], prompts: Sequence[str], compl
   return _score_specs(_resolve_all(fns), prompts, completions, metadata, error_score, chunk_size)
 
 
-def _worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
-  """Worker loop: resolve the functions, report ready, then answer (k, prompts, completions, metadata) calls."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  sys.path[:] = list(sys_path) + [p for p in sys.path if p not in sys_path]
-  try:
-    fns = [rewards.resolve(p) for p in paths]
-  except Exception as e:
-    conn.send(("init_error", str(e)))
-    return
-  conn.send(("ready", None))
-  while True:
-    try:
-      msg = conn.recv()
-    except (EOFError, OSError):  # the parent went away
-      return
-    if msg is None:
-      return
-    k, prompts, completions, metadata = msg
-    try:
-      reply = ("ok", [float(x) for x in fns[k](prompts, completions, metadata)])
-    except Exception as e:
-      reply = ("error", f"raised {type(e).__name__}: {e}")
-    conn.send(reply)
-
-
-class _Worker:
-  """One worker process and the parent's end of its pipe, plus the call it is running, if any."""
-
-  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float):
-    self.conn, child_conn = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=_worker_main, args=(child_conn, sys_path, paths), daemon=True,
-                            name="reward-worker")
-    self.proc.start()
-    child_conn.close()
-    self.ready = False
-    self.start_deadline = time.monotonic() + start_timeout_s
-    self.call: tuple[int, int, int] | None = None  # (function index, lo, hi)
-    self.deadline = math.inf
-
-  def stop(self, *, graceful: bool = True) -> None:
-    """Asks an idle worker to exit (if `graceful`); terminates, then kills, one that does not. Always joins."""
-    if graceful and self.proc.is_alive() and self.ready and self.call is None:
-      with contextlib.suppress(OSError):
-        self.conn.send(None)
-      self.proc.join(_KILL_GRACE_S)
-    if self.proc.is_alive():
-      self.proc.terminate()
-      self.proc.join(_KILL_GRACE_S)
-    if self.proc.is_alive():
-      self.proc.kill()
-      self.proc.join()
-    self.conn.close()
-
-
-def _stop_all(workers: list[_Worker]) -> None:
-  for w in workers:
-    w.stop()
-  workers.clear()
-
-
 class RewardPool:
   """Weighted reward functions run in `n_workers` killable processes. See the module docstring."""
 
@@ -261,14 +213,19 @@ class RewardPool:
     self.n_workers, self.timeout_s, self.error_score, self.chunk_size = n_workers, timeout_s, error_score, chunk_size
     self._start_timeout_s = start_timeout_s
     self._ctx = multiprocessing.get_context("spawn")
-    self._workers: list[_Worker] = []
+    self._workers: list[Worker] = []
     self._closed = False
-    self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+    self._next_ticket = 0
+    self._todo: deque = deque()  # calls (ticket, function index, lo, hi) not handed to a worker yet
+    self._jobs: dict[int, tuple] = {}  # ticket -> (n, prompts, completions, metadata, its calls)
+    self._outcomes: dict = {}  # finished calls (see _wait)
+    self._inline: dict[int, RewardResult] = {}  # tickets scored at submit (no workers)
+    self._finalizer = weakref.finalize(self, stop_all, self._workers)
     try:
       for _ in range(n_workers):
         self._workers.append(self._new_worker())
       while not all(w.ready for w in self._workers):
-        self._wait({})
+        self._wait()
     except BaseException:
       self.close()
       raise
@@ -277,35 +234,35 @@ class RewardPool:
   def worker_pids(self) -> list[int]:
     return [w.proc.pid for w in self._workers]
 
-  def _new_worker(self) -> _Worker:
-    return _Worker(self._ctx, list(sys.path), [s.name for s in self._specs], self._start_timeout_s)
+  def _new_worker(self) -> Worker:
+    return Worker(self._ctx, list(sys.path), [s.name for s in self._specs], self._start_timeout_s)
 
-  def _replace(self, w: _Worker) -> None:
+  def _replace(self, w: Worker) -> None:
     w.stop(graceful=False)
     self._workers[self._workers.index(w)] = self._new_worker()
 
-  def _wait(self, outcomes: dict) -> None:
-    """Waits for one event (a reply, a death, a deadline) and handles every event that has happened.
-
-    A finished call is stored in `outcomes` as (function index, lo, hi) -> (scores, "error", "") on success,
-    or -> (None, "error" | "timeout", why) on failure.
-    """
+  def _wait(self, timeout: float | None = None) -> None:
+    """Waits for one event (a reply, a death, a deadline; at most `timeout` s when given) and handles
+    every event that has happened. A finished call goes into `self._outcomes`: (ticket, function index,
+    lo, hi) -> (scores, "error", "") on success, or (None, "error" | "timeout", why) on failure."""
     active = [w for w in self._workers if w.call is not None or not w.ready]
     deadlines = [w.deadline if w.ready else w.start_deadline for w in active]
-    timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    if timeout is not None:
+      wait = timeout if wait is None else min(wait, timeout)
     watched = [x for w in active for x in (w.conn, w.proc.sentinel)]
-    fired = set(multiprocessing.connection.wait(watched, timeout))
+    fired = set(multiprocessing.connection.wait(watched, wait)) if watched else set()
     now = time.monotonic()
     for w in list(self._workers):
       if w.conn in fired or w.proc.sentinel in fired:
-        self._collect(w, outcomes)
+        self._collect(w)
       elif w.call is not None and now >= w.deadline:
-        outcomes[w.call] = (None, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
+        self._outcomes[w.call] = (None, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
         self._replace(w)
       elif not w.ready and now >= w.start_deadline:
         raise RuntimeError(f"a reward worker did not start within {self._start_timeout_s} s")
 
-  def _collect(self, w: _Worker, outcomes: dict) -> None:
+  def _collect(self, w: Worker) -> None:
     try:
       kind, payload = w.conn.recv() if w.conn.poll() else ("died", None)
     except (EOFError, OSError):
@@ -319,52 +276,89 @@ class RewardPool:
                          "and import your main module again: a script that starts training must do so under "
                          "`if __name__ == \"__main__\":`")
     elif kind == "died":
-      w.proc.join(_KILL_GRACE_S)  # reap it, so that its exit code is known
-      outcomes[w.call] = (None, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
+      w.proc.join(KILL_GRACE_S)  # reap it, so that its exit code is known
+      self._outcomes[w.call] = (None, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
       self._replace(w)
     else:
-      _, lo, hi = w.call
+      _, _, lo, hi = w.call
       scores, why = _vet(payload, hi - lo) if kind == "ok" else (None, payload)
-      outcomes[w.call] = (scores, "error", why)
+      self._outcomes[w.call] = (scores, "error", why)
       w.call, w.deadline = None, math.inf
 
   def score(self, prompts: Sequence[str], completions: Sequence[str],
             metadata: Sequence[dict] | None = None) -> RewardResult:
     """Scores a batch with every function; failures get `error_score` and are counted, and raise
     `RewardsFailing` only through the circuit breaker (`self.breaker`)."""
+    return self.collect([self.submit(prompts, completions, metadata)])
+
+  def submit(self, prompts: Sequence[str], completions: Sequence[str], metadata: Sequence[dict] | None = None) -> int:
+    """Starts scoring a batch in the background (inline pools score it now); returns its ticket for
+    `collect`. Calls go to idle workers now and whenever `poll` or `collect` runs."""
     if self._closed:
       raise RuntimeError("RewardPool is closed")
-    if not self._workers:
-      result = _score_specs(self._specs, prompts, completions, metadata, self.error_score, self.chunk_size)
-      self.breaker.check(result, len(completions))
-      return result
     n = _batch_size(prompts, completions, metadata)
+    ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+    if not self._workers:
+      self._inline[ticket] = _score_specs(self._specs, prompts, completions, metadata, self.error_score,
+                                          self.chunk_size)
+      return ticket
     metadata = [{}] * n if metadata is None else list(metadata)
-    prompts, completions = list(prompts), list(completions)
     chunk = self.chunk_size or max(1, -(-n // self.n_workers))
-    todo = deque((k, lo, hi) for k in range(len(self._specs)) for lo, hi in _chunks(n, chunk))
-    outcomes: dict = {}
+    calls = [(ticket, k, lo, hi) for k in range(len(self._specs)) for lo, hi in _chunks(n, chunk)]
+    self._jobs[ticket] = (n, list(prompts), list(completions), metadata, calls)
+    self._todo.extend(calls)
+    self.poll()
+    return ticket
+
+  def poll(self) -> None:
+    """Hands queued calls to idle workers and takes in every finished one; never blocks."""
+    self._pump(timeout=0.0)
+
+  def _pump(self, timeout: float | None) -> None:
     try:
-      while todo or any(w.call is not None for w in self._workers):
-        for w in self._workers:
-          if todo and w.ready and w.call is None:
-            k, lo, hi = todo.popleft()
-            try:
-              w.conn.send((k, prompts[lo:hi], completions[lo:hi], metadata[lo:hi]))
-            except OSError:  # the idle worker died (killed from outside): retry the call on a fresh one
-              todo.appendleft((k, lo, hi))
-              self._replace(w)
-              continue
-            w.call, w.deadline = (k, lo, hi), time.monotonic() + self.timeout_s
-        self._wait(outcomes)
+      self._dispatch()
+      if any(w.call is not None or not w.ready for w in self._workers):
+        self._wait(timeout)
+        self._dispatch()
     except BaseException:  # e.g. Ctrl-C mid-call: workers hold stale calls, so the pool cannot go on
       self.close()
       raise
-    result = self._assemble(outcomes, n)
-    self.breaker.check(result, n)
+
+  def _dispatch(self) -> None:
+    for w in self._workers:
+      while self._todo and w.ready and w.call is None:
+        call = self._todo.popleft()
+        _, prompts, completions, metadata, _ = self._jobs[call[0]]
+        lo, hi = call[2], call[3]
+        try:
+          w.conn.send((call[1], prompts[lo:hi], completions[lo:hi], metadata[lo:hi]))
+        except OSError:  # the idle worker died (killed from outside): retry the call on a fresh one
+          self._todo.appendleft(call)
+          self._replace(w)
+          break
+        w.call, w.deadline = call, time.monotonic() + self.timeout_s
+
+  def collect(self, tickets: Sequence[int]) -> RewardResult:
+    """Waits for the tickets' batches; returns their results concatenated in ticket order, counted
+    once by the circuit breaker (one scoring call, however many tickets it was submitted as)."""
+    if self._closed:
+      raise RuntimeError("RewardPool is closed")
+    parts = []
+    for t in tickets:
+      if t in self._inline:
+        parts.append(self._inline.pop(t))
+        continue
+      calls = self._jobs[t][4]
+      while not all(c in self._outcomes for c in calls):
+        self._pump(timeout=None)
+      n = self._jobs.pop(t)[0]
+      parts.append(self._assemble({c[1:]: self._outcomes.pop(c) for c in calls}, n))
+    result = _concat(self._specs, parts)
+    self.breaker.check(result, len(result.total_N))
     return result
 
   def _assemble(self, outcomes: dict, n: int) -> RewardResult:
+    """One batch's result from its calls' outcomes, (function index, lo, hi) -> (scores, kind, why)."""
     scores_FN = np.full((len(self._specs), n), self.error_score, dtype=np.float32)
     counts, failed, last = {"error": 0, "timeout": 0}, {}, ""
     for (k, lo, hi), (scores, kind, why) in outcomes.items():

@@ -21,6 +21,7 @@ and samples per wave: powers of two), so steady state compiles nothing new.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -37,7 +38,7 @@ from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool, PoolExhausted
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.rollout.scheduler import MAX_STOP_IDS, Request, Sample, check_requests, run_loop
+from jaxrl_topo.rollout.scheduler import MAX_STOP_IDS, Request, Sample, Stream
 from jaxrl_topo.topology.hostcomm import to_host
 
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
@@ -408,18 +409,30 @@ class RolloutEngine:
   # -- the loop ------------------------------------------------------------------------------------
 
   def run(self, requests: Sequence[Request], on_chunk: Callable[[RolloutEngine], None] | None = None, *,
-          key: jax.Array | None = None, sampling: SamplingConfig | None = None) -> list[Sample]:
+          key: jax.Array | None = None, sampling: SamplingConfig | None = None, seq_base: int = 0) -> list[Sample]:
     """Generates every request's n samples; returns them request-major. `on_chunk(engine)` runs
     between decode chunks, e.g. to `update_weights` (which then lands under its policy). `key`
     replaces the engine's sampling key from now on (the RL loop gives each step its own); `sampling`
-    replaces `ecfg.sampling` for this call only (e.g. greedy evaluation)."""
-    check_requests(self, requests)
+    replaces `ecfg.sampling` for this call only (e.g. greedy evaluation); sequence ids (with the key,
+    they fix the sampling keys) count from `seq_base`."""
+    with self.stream(on_chunk, key=key, sampling=sampling) as stream:
+      stream.add(requests, 0, seq_base=seq_base)
+      return stream.run_until(0)
+
+  @contextlib.contextmanager
+  def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
+             key: jax.Array | None = None, sampling: SamplingConfig | None = None):
+    """A `scheduler.Stream` open for the `with` block: batches added and returned while others decode."""
+    if self._running:
+      raise RuntimeError("the engine is already generating (one run or stream at a time)")
     if key is not None:
       self.key = key
     self._running = True
     self.sampling = sampling or self.ecfg.sampling
+    stream = Stream(self, on_chunk, on_group)
     try:
-      return run_loop(self, requests, on_chunk)
+      yield stream
+      stream.close()
     finally:
       self._running = False
       self.sampling = self.ecfg.sampling

@@ -18,8 +18,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from jaxrl_topo.rollout.kv_pool import OutOfPages
 
 if TYPE_CHECKING:
@@ -70,16 +68,79 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
       raise ValueError(f"request {r}: token ids must lie in [0, {eng.cfg.vocab_size})")
 
 
-def run_loop(eng: RolloutEngine, requests: Sequence[Request], on_chunk) -> list[Sample]:
-  loop = _Loop(eng, requests)
-  overlap = eng.ecfg.overlap
-  inflight = None
-  while loop.queue or loop.live or loop.pinned or inflight is not None:
+class Stream:
+  """A long-lived generation stream over one engine: batches of requests are `add`ed while others
+  decode, and `run_until(tag)` decodes until every sample of batch `tag` has finished and returns
+  them, leaving the other batches' sequences live (and possibly one chunk dispatched, unread) for the
+  next call. `RolloutEngine.run` is one batch through a stream of its own; the RL loop keeps one
+  open for a whole run, so the next batch's prompts fill slots as the current batch's stragglers free
+  them instead of waiting for the batch to drain.
+
+  `on_chunk(engine)` runs after each chunk is read (the RL loop lands weights and adds batches there);
+  `on_group(tag, r, samples)` when all n samples of batch `tag`'s request r have finished (the RL loop
+  scores them while decoding goes on). Between calls, live sequences hold slots: weight updates land
+  under their policy at the next iteration. `close()` needs nothing live.
+  """
+
+  def __init__(self, engine: RolloutEngine, on_chunk=None, on_group=None):
+    self.engine, self.on_chunk, self.on_group = engine, on_chunk, on_group
+    self.loop = _Loop(engine, self._finished)
+    self.inflight = None
+    self.batches: dict = {}  # tag -> (first request index, count, requests still unfinished)
+    self._tag_of: dict[int, object] = {}  # request index -> tag
+
+  def add(self, requests: Sequence[Request], tag, *, seq_base: int = 0) -> None:
+    """Queues a batch; sample i of request r gets sequence id seq_base + (samples before r) + i, which
+    with the engine's key fixes its sampling keys (so the same ids give the same tokens in any stream)."""
+    if tag in self.batches:
+      raise ValueError(f"batch {tag!r} is already in the stream")
+    check_requests(self.engine, requests)
+    first = self.loop.extend(requests, seq_base)
+    self.batches[tag] = [first, len(requests), len(requests)]
+    for r in range(first, first + len(requests)):
+      self._tag_of[r] = tag
+
+  def _finished(self, r: int) -> None:
+    tag = self._tag_of[r]
+    entry = self.batches[tag]
+    entry[2] -= 1
+    if self.on_group is not None:
+      req = self.loop.requests[r]
+      self.on_group(tag, r - entry[0], [self.loop.out[(r, i)] for i in range(req.n)])
+
+  def pending(self, tag) -> bool:
+    return self.batches[tag][2] > 0
+
+  def busy(self) -> bool:
+    return bool(self.loop.queue or self.loop.live or self.loop.pinned or self.inflight is not None)
+
+  def run_until(self, tag) -> list[Sample]:
+    """Decodes until batch `tag` is finished; returns its samples request-major and forgets the batch."""
+    while self.pending(tag):
+      if not self.busy():
+        raise RuntimeError(f"stream: batch {tag!r} unfinished with nothing queued or live")
+      self._iterate()
+    first, n, _ = self.batches.pop(tag)
+    out = []
+    for r in range(first, first + n):
+      del self._tag_of[r]
+      out += [self.loop.out.pop((r, i)) for i in range(self.loop.requests[r].n)]
+      self.loop.requests[r] = None  # the stream keeps no finished batch
+    return out
+
+  def drain(self) -> None:
+    """Decodes until nothing is queued, live or in flight (every batch added so far is finished)."""
+    while self.busy():
+      self._iterate()
+
+  def _iterate(self) -> None:
+    """One iteration: land weights, admit, reserve, dispatch chunk k+1, then read chunk k."""
+    eng, loop = self.engine, self.loop
     if eng._pending is not None and (eng._pending.policy != "finish_on_old" or not loop.live):
       loop.land_update()
     # Pages for the unread chunk's writes and the next one's. Short chunks while requests wait (a
     # finished slot is refilled soon), long ones in the tail (fewer host round trips; idle steps are skipped).
-    unread = inflight.chunk[0].shape[0] if inflight is not None else 0
+    unread = self.inflight.chunk[0].shape[0] if self.inflight is not None else 0
     if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
       loop.fill(unread + eng.ecfg.decode_chunk)
       eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
@@ -91,32 +152,55 @@ def run_loop(eng: RolloutEngine, requests: Sequence[Request], on_chunk) -> list[
       if loop.live:
         dispatched = eng._dispatch(n_steps)
         dispatched.queued = waiting
-    if not overlap and dispatched is not None:
-      inflight, dispatched = dispatched, None
-    if inflight is not None:
-      loop.collect(eng._read(inflight)[0])
-      if on_chunk is not None:
-        on_chunk(eng)
-    inflight = dispatched
-  if eng._pending is not None:
-    eng._swap()
-  loop.drop_pins()  # (none are left: every pinned sample found a slot)
-  return [loop.out[(r, i)] for r, req in enumerate(requests) for i in range(req.n)]
+    if not eng.ecfg.overlap and dispatched is not None:
+      self.inflight, dispatched = dispatched, None
+    if self.inflight is not None:
+      loop.collect(eng._read(self.inflight)[0])
+      self.inflight = dispatched
+      if self.on_chunk is not None:
+        self.on_chunk(eng)
+    else:
+      self.inflight = dispatched
+
+  def close(self) -> None:
+    """Ends the stream: the last dispatched chunk is read, then a pending update lands. Sequences still
+    queued or live are an error (their batch was never asked for)."""
+    if self.loop.queue or self.loop.live or self.loop.pinned:
+      raise RuntimeError(f"stream closed with batches {list(self.batches)} unfinished; run_until or drain first")
+    self.drain()
+    if self.engine._pending is not None:
+      self.engine._swap()
+    self.loop.drop_pins()
 
 
 class _Loop:
   """The state of one `run`: queue of groups to admit, live slots, samples so far."""
 
-  def __init__(self, engine: RolloutEngine, requests: Sequence[Request]):
-    self.engine, self.requests = engine, requests
-    self.base = np.cumsum([0] + [req.n for req in requests])  # sequence id = base[r] + sample index
-    self.out = {(r, i): Sample(r, i, [], [], []) for r, req in enumerate(requests) for i in range(req.n)}
+  def __init__(self, engine: RolloutEngine, on_finished=lambda r: None):
+    self.engine, self.on_finished = engine, on_finished
+    self.requests: list[Request | None] = []  # None once its batch is returned
+    self.base: list[int] = []  # sequence id of request r's sample i = base[r] + i
+    self.left: list[int] = []  # samples of request r not finished yet
+    self.out: dict[tuple[int, int], Sample] = {}
     # (request, samples, resume): resume = continue out[(r, i)] from its tokens so far (one sample)
-    self.queue = collections.deque((r, list(range(req.n)), False) for r, req in enumerate(requests))
+    self.queue: collections.deque = collections.deque()
     self.live: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
     # A group admitted with fewer free slots than samples: its prompt stays pinned and the rest start
     # (first token sampled at the prefill) as slots free up. request -> (pin id, samples waiting)
     self.pinned: dict[int, tuple[int, collections.deque]] = {}
+
+  def extend(self, requests: Sequence[Request], seq_base: int) -> int:
+    """Appends and queues requests (sequence ids from seq_base on); returns the first one's index."""
+    first = len(self.requests)
+    for req in requests:
+      r = len(self.requests)
+      self.requests.append(req)
+      self.base.append(seq_base)
+      self.left.append(req.n)
+      seq_base += req.n
+      self.out.update({(r, i): Sample(r - first, i, [], [], []) for i in range(req.n)})
+      self.queue.append((r, list(range(req.n)), False))
+    return first
 
   def fill(self, lookahead: int) -> None:
     """Starts pinned groups' waiting samples, then admits queued groups while slots and pages allow:
@@ -219,6 +303,9 @@ class _Loop:
     del self.live[slot]
     eng.free(slot)
     eng.stats["finished"] += 1
+    self.left[r] -= 1
+    if not self.left[r]:
+      self.on_finished(r)
 
   def reserve(self, lookahead: int) -> None:
     """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
