@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxrl_topo.review import plots, simulator  # noqa: E402
-from jaxrl_topo.runtime import experiment, loop  # noqa: E402
+from jaxrl_topo.runtime import experiment, loop, rollout_side  # noqa: E402
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict  # noqa: E402
 
 TOPOLOGY = {
@@ -68,20 +68,20 @@ def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
   exp = experiment.build(cfg, os.path.join(out, mode))
   exp.engine.ecfg = dataclasses.replace(exp.engine.ecfg, eos_ids=())  # lengths are the drawn ones, never EOS
   drawn = iter(range(10**9))
-  real_requests = loop._requests
+  real_requests = rollout_side._requests
 
   def requests(exp_, examples):  # batch k's groups get lengths[k]: the same workload in every mode
     k = next(drawn)
     return [dataclasses.replace(r, max_new_tokens=int(n)) for r, n in
             zip(real_requests(exp_, examples), lengths[min(k, len(lengths) - 1)], strict=True)]
 
-  loop._requests = requests
+  rollout_side._requests = requests
   records, spans = [], []
   t0 = time.perf_counter()
   try:
     loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda s, m: records.append(m), on_span=spans.append))
   finally:
-    loop._requests = real_requests
+    rollout_side._requests = real_requests
     exp.close()
   wall = time.perf_counter() - t0
   last = records[-1]

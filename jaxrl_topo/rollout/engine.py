@@ -103,7 +103,8 @@ class RolloutEngine:
     self.key = jax.random.key(seed)
     self.mesh = mesh
     self._pending: _Pending | None = None
-    self._running = False  # inside run(): updates land under their policy
+    self._running = False  # a stream is open: updates land under their policy
+    self._stream = None  # the open stream (run() opens one of its own)
     self.layout = device.layout_for(mesh, ecfg.n_slots, cfg.n_kv_heads)
     self.impl = resolve_impl(ecfg.impl, cfg, ecfg.page_size)
     self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq)
@@ -422,17 +423,23 @@ class RolloutEngine:
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
              key: jax.Array | None = None, sampling: SamplingConfig | None = None):
-    """A `scheduler.Stream` open for the `with` block: batches added and returned while others decode."""
-    if self._running:
-      raise RuntimeError("the engine is already generating (one run or stream at a time)")
+    """A `scheduler.Stream` open for the `with` block: batches added and returned while others decode.
+    One stream generates at a time; another may open inside it (e.g. `run` for an evaluation) only
+    while it is idle, and the outer stream's key and sampling come back after it."""
+    outer = self._stream
+    if outer is not None and outer.busy():
+      raise RuntimeError("the engine is generating (an open stream has sequences); drain it first")
+    saved = self.key, self.sampling
     if key is not None:
       self.key = key
-    self._running = True
     self.sampling = sampling or self.ecfg.sampling
-    stream = Stream(self, on_chunk, on_group)
+    self._running = True
+    stream = self._stream = Stream(self, on_chunk, on_group)
     try:
       yield stream
       stream.close()
     finally:
-      self._running = False
-      self.sampling = self.ecfg.sampling
+      self._stream, self._running = outer, outer is not None
+      self.sampling = saved[1] if outer is not None else self.ecfg.sampling
+      if outer is not None:
+        self.key = saved[0]

@@ -111,6 +111,10 @@ class RolloutSpec:
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
   kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
+  # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
+  # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
+  # batch, each drained before the next starts. (Colocated and DAPO dynamic sampling are always batch by batch.)
+  continuous: bool = True
 
   def __post_init__(self):
     if self.kv_dtype is not None and self.kv_dtype not in ("float32", "bfloat16", "float16"):

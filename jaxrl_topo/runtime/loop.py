@@ -37,12 +37,10 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
-from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.config import MODEL_REWARD
+from jaxrl_topo.rollout.engine import RolloutEngine
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.runtime.rollout_side import Feed, Trajectories, _devices, evaluate, rollout, span
 from jaxrl_topo.runtime.watch import ChunkClock, StepWatch, WallClock
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
@@ -50,20 +48,7 @@ from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, balance_groups, build_batch, plan_rows
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
-_ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
-
-
-@dataclasses.dataclass
-class Trajectories:
-  """One step's scored rollout batch, group-major."""
-
-  step: int
-  examples: list[dict]  # one per group
-  samples: list[Sample]
-  rewards_N: np.ndarray  # shaped rewards the loss uses
-  correct_N: np.ndarray  # the main reward function's raw score
-  info: dict  # reward errors/timeouts, dynamic-sampling counts, seconds
-  data_state: dict  # the prompt iterator's state right after this batch was drawn
+__all__ = ["LoopHooks", "Trajectories", "evaluate", "make_batch", "rollout", "sync_weights", "train_loop"]
 
 
 @dataclasses.dataclass
@@ -76,119 +61,6 @@ class _InFlight:
   watch: StepWatch  # device-completion stamps of the logprobs phase and the step
   pre: dict | None = None  # the logprobs phase's device outputs (None: the step computes them itself)
   chunks: int = 0  # decode chunks run since dispatch (deterministic async landing rule)
-
-
-def _devices(mesh) -> list[int]:
-  return sorted(int(d.id) for d in mesh.devices.flat)
-
-
-def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, start: float, end: float) -> dict:
-  """One timeline entry (DESIGN §4: every arrow is a named span); times are time.perf_counter()."""
-  return {"phase": phase, "role": role, "devices": devices, "step": step, "gen_id": gen_id, "start": start,
-          "end": end}
-
-
-# ---------------------------------------------------------------- rollout + rewards
-
-
-def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:
-  return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=exp.cfg.rollout.max_new_tokens,
-                  stop_ids=exp.stop_ids, stop_strings=exp.stop_strings) for ex in examples]
-
-
-def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
-  return [exp.tokenizer.decode(s.tokens) for s in samples]
-
-
-def _score_texts(exp: Experiment, meta: list[dict], samples: list[Sample], *,
-                 main_only: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
-  """(weighted total, the main reward's scores, info) of one sample per `meta` entry: the reward
-  functions in the worker pool, plus the reward model (on its devices) when there is one.
-  `main_only` (evaluation): the model is only run when it is the main reward."""
-  rc = exp.cfg.reward
-  result = exp.rewards.score([m["prompt"] for m in meta], _texts(exp, samples), meta)
-  total, per_fn = result.total_N.astype(np.float32).copy(), dict(result.per_fn)
-  info = {"reward/errors": result.errors, "reward/timeouts": result.timeouts}
-  if exp.reward_model is not None and (rc.fn == MODEL_REWARD or not main_only):
-    model_N = exp.reward_model.score([list(m["prompt_ids"]) + list(s.tokens) for m, s in zip(meta, samples,
-                                                                                           strict=True)])
-    per_fn[MODEL_REWARD] = model_N
-    total += (1.0 if rc.fn == MODEL_REWARD else rc.model_weight) * model_N
-    info["reward/model_mean"] = float(model_N.mean())
-  return total, per_fn[rc.fn], info
-
-
-def score(exp: Experiment, examples: list[dict], samples: list[Sample]) -> tuple[np.ndarray, np.ndarray, dict]:
-  """(shaped rewards, main-function scores, info) for group-major samples of `examples`."""
-  G = exp.cfg.rl.group_size
-  meta = [examples[i // G] for i in range(len(samples))]
-  rewards, main, info = _score_texts(exp, meta, samples)
-  rc = exp.cfg.reward
-  if rc.overlong_buffer:  # DAPO soft overlong punishment: linear over the last `buffer` tokens
-    limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
-    over = np.array([max(0, len(s.tokens) - limit) for s in samples], np.float32)
-    rewards -= rc.overlong_penalty * over / rc.overlong_buffer
-  return rewards, main, info
-
-
-_KEYS: dict = {}  # (seed, steps, rounds) -> host key data of every (step, round)
-
-
-def _rollout_key(exp: Experiment, step: int, round_: int) -> jax.Array:
-  """The sampling key of (seed, step, round), placed on the rollout devices. The keys are derived once, on
-  the first call (before any train step is queued), and kept on the host: a key computed on the default
-  device, a trainer device in disaggregated mode, would queue every rollout program behind the running
-  train step (measured on CPU: no overlap at all)."""
-  cfg = exp.cfg
-  rounds = cfg.reward.max_sampling_rounds
-  table = _KEYS.get((cfg.run.seed, cfg.run.steps, rounds))
-  if table is None or step >= len(table):
-    base = jax.random.fold_in(jax.random.key(cfg.run.seed), _ROLLOUT_TAG)
-    grid = jax.vmap(lambda s: jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, s), r))(
-        np.arange(rounds)))(np.arange(max(cfg.run.steps, step + 1)))
-    table = _KEYS[(cfg.run.seed, cfg.run.steps, rounds)] = np.asarray(jax.random.key_data(grid))
-  if jax.process_count() > 1:  # every process passes the same kind of value: a host one
-    return jax.random.wrap_key_data(table[step, round_])
-  rollout = NamedSharding(exp.topology.rollout, PartitionSpec())
-  return jax.random.wrap_key_data(jax.device_put(table[step, round_], rollout))
-
-
-def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
-            on_span: Callable[[dict], None] = lambda s: None) -> Trajectories:
-  """Draws a prompt batch, samples G completions each, scores them; DAPO dynamic sampling draws more
-  batches until `data.batch_size` groups have reward variance (or `max_sampling_rounds` are spent)."""
-  cfg, G = exp.cfg, exp.cfg.rl.group_size
-  want = cfg.data.batch_size
-  keep, spare, info = [], [], collections.Counter()
-  t0 = time.perf_counter()
-  for round_ in range(cfg.reward.max_sampling_rounds if cfg.reward.dynamic_sampling else 1):
-    examples = next(exp.prompts)
-    key = _rollout_key(exp, step, round_)
-    t, gen_id = time.perf_counter(), exp.engine.gen_id
-    samples = exp.engine.run(_requests(exp, examples), on_chunk, key=key)
-    t1 = time.perf_counter()
-    info["time/rollout_s"] += t1 - t
-    on_span(span("rollout", "rollout", _devices(exp.topology.rollout), step, gen_id, t, t1))
-    rewards, main, rinfo = score(exp, examples, samples)
-    t2 = time.perf_counter()
-    info["time/reward_s"] += t2 - t1
-    reward_devices = _devices(exp.reward_model.mesh) if exp.reward_model is not None else []
-    on_span(span("reward", "reward", reward_devices, step, gen_id, t1, t2))
-    info.update(rinfo)
-    for g, ex in enumerate(examples):
-      group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
-      varied = np.ptp(group[2]) > 0
-      (keep if varied or not cfg.reward.dynamic_sampling else spare).append(group)
-    info["dapo/rounds"] = round_ + 1
-    if len(keep) >= want:
-      break
-  info["dapo/dropped_groups"] = len(spare)
-  groups = (keep + spare)[:want]  # short after the last round: fill with zero-variance groups
-  info["time/rollout_total_s"] = time.perf_counter() - t0
-  return Trajectories(step=step, examples=[g[0] for g in groups], samples=[s for g in groups for s in g[1]],
-                      rewards_N=np.concatenate([g[2] for g in groups]),
-                      correct_N=np.concatenate([g[3] for g in groups]), info=dict(info),
-                      data_state=exp.prompts.get_state())
 
 
 # ---------------------------------------------------------------- train side
@@ -235,19 +107,6 @@ def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict
   params, stats = exp.sync(exp.state, None if policy == "finish_on_old" else exp.engine.params)
   exp.engine.update_weights(params, version, policy)
   return stats
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def evaluate(exp: Experiment, tag: int = 0) -> float:
-  """Held-out accuracy (0..1): the main reward function's mean score, one greedy sample per prompt."""
-  if not exp.heldout:
-    return float("nan")
-  reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
-  samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None)
-  return float(np.mean(_score_texts(exp, exp.heldout, samples, main_only=True)[1]))
 
 
 # ---------------------------------------------------------------- the loop
@@ -353,8 +212,11 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       step, m = deferred.popleft()
       m.update(wall.step(m["perf/tokens"]))  # wall-clock figures: seconds since the last step, eval excluded
       if hooks.should_eval(step + 1):
+        if feed is not None:
+          feed.drain()  # the evaluation needs every slot: the batches added so far finish first
         t = time.perf_counter()
         m["eval/accuracy"] = evaluate(exp, tag=step + 1)
+        chunks.reset()  # the evaluation's tokens are no rollout's
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
         wall.exclude(time.perf_counter() - t)
       last = m
@@ -370,20 +232,39 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       if mode == "async" and due:
         land(pending, cfg.rollout.update_policy, at_chunk=True)
         pending = dispatch(ready.popleft()) if ready else None
+    if feed is not None:
+      feed.top_up(min(steps, version + eta + 1))  # the new version may admit the next batch
     chunks.resume()  # the next chunk is dispatched after this
 
-  while version < steps:
-    if pending is None and ready:
-      pending = dispatch(ready.popleft())
-    if produced < steps and produced <= version + eta and len(ready) <= eta:
-      chunks.reset()
-      ready.append(rollout(exp, produced, tick, hooks.on_span))
-      hooks.on_produced(produced)
-      produced += 1
-    elif pending is not None:
-      flight, pending = pending, None
-      land(flight, "keep_kv")  # between batches no sequence is live: every policy is the same
-    elif not ready:
-      raise RuntimeError(f"controller stalled at version {version}, produced {produced}")  # a bug, never input
-    drain()
+  # Continuous (module docstring): batch k joins the open stream once k <= version + eta, so every token
+  # of it is sampled at most eta versions before step k trains on it, whatever the stream holds then.
+  continuous = mode != "colocated" and eta >= 1 and cfg.rollout.continuous and not cfg.reward.dynamic_sampling
+  feed = Feed(exp, produced, tick, hooks.on_span) if continuous else None
+  failed = True
+  try:
+    while version < steps:
+      if pending is None and ready:
+        pending = dispatch(ready.popleft())
+      if produced < steps and produced <= version + eta and len(ready) <= eta:
+        if feed is not None:
+          feed.top_up(min(steps, version + eta + 1))
+          traj = feed.take(produced)
+        else:
+          chunks.reset()
+          traj = rollout(exp, produced, tick, hooks.on_span)
+        ready.append(traj)
+        hooks.on_produced(produced)
+        produced += 1
+      elif pending is not None:
+        flight, pending = pending, None
+        # Batch mode: between batches no sequence is live, every policy is the same. Continuous: the
+        # stream may hold later batches' sequences, which the update meets under its policy.
+        land(flight, cfg.rollout.update_policy if feed is not None else "keep_kv")
+      elif not ready:
+        raise RuntimeError(f"controller stalled at version {version}, produced {produced}")  # a bug, never input
+      drain()
+    failed = False
+  finally:
+    if feed is not None:
+      feed.close(abandon=failed)
   return last
