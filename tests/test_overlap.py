@@ -141,7 +141,7 @@ def test_the_next_batch_decodes_beside_a_straggler_and_groups_are_scored_as_they
                             "rollout.max_new_tokens": 40, "reward.n_workers": 1})
   exp = experiment.build(cfg, str(tmp_path))
   exp.engine.ecfg = dataclasses.replace(exp.engine.ecfg, eos_ids=())
-  per_batch = cfg.data.batch_size * cfg.rl.group_size
+  per_batch = rollout_side.seq_base(exp, 1, 0)  # sequence ids of batch k start at k * per_batch
   live_batches = []  # per decode chunk: the batches with a live sequence
   real_stream = exp.engine.stream
 
