@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Tests fake 8 CPU devices; the demo and launchers see the machine as it is.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: demo test test-fast lint install install-test clean
+.PHONY: demo test test-fast test-readme lint install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,14 @@ lint: $(VENV)/.test
 # otherwise idle; tests/conftest.py groups tests that share module fixtures onto one worker.
 PYTEST_WORKERS ?= 2
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme"
 
 test-fast: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not readme"
+
+# Every command README.md shows, run as written on this CPU (tests/test_readme.py; about 4 minutes).
+test-readme: $(VENV)/.test
+	$(TEST_ENV) $(BIN)/python -m pytest -m readme tests/test_readme.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

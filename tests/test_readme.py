@@ -62,6 +62,7 @@ def test_blocks_parse():
 
 
 @pytest.mark.slow
+@pytest.mark.readme
 def test_every_readme_command_runs(tmp_path):
   with open(README) as f:
     text = f.read()
