@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import zlib
 from collections.abc import Callable
 
 import jax
@@ -63,6 +64,12 @@ def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, star
 def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:
   return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=exp.cfg.rollout.max_new_tokens,
                   stop_ids=exp.stop_ids, stop_strings=exp.stop_strings) for ex in examples]
+
+
+def prompt_hash(examples: list[dict]) -> int:
+  """crc32 of a batch's prompt ids, in order: logged per step (`data/prompt_hash`), so a resumed run can
+  be checked to train every prompt batch once, in the uninterrupted run's order."""
+  return zlib.crc32(np.concatenate([np.asarray(ex["prompt_ids"], np.int32) for ex in examples]).tobytes())
 
 
 def _texts(exp: Experiment, samples: list[Sample]) -> list[str]:
@@ -176,6 +183,7 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
   info["dapo/dropped_groups"] = len(spare)
   groups = (keep + spare)[:want]  # short after the last round: fill with zero-variance groups
   info["time/rollout_total_s"] = time.perf_counter() - t0
+  info["data/prompt_hash"] = prompt_hash([g[0] for g in groups])
   return Trajectories(step=step, examples=[g[0] for g in groups], samples=[s for g in groups for s in g[1]],
                       rewards_N=np.concatenate([g[2] for g in groups]),
                       correct_N=np.concatenate([g[3] for g in groups]), info=dict(info),
@@ -242,7 +250,8 @@ class Feed:
     self.on_span(span("reward", "reward", _reward_devices(exp), k, b.gen_id, t1, t2))
     del self.batches[k]
     info.update({"time/rollout_s": t1 - t, "time/reward_s": t2 - t1, "time/rollout_total_s": t2 - t,
-                 "dapo/rounds": 1, "dapo/dropped_groups": 0, "reward/groups_scored_early": b.scored_early})
+                 "dapo/rounds": 1, "dapo/dropped_groups": 0, "reward/groups_scored_early": b.scored_early,
+                 "data/prompt_hash": prompt_hash(b.examples)})
     return Trajectories(step=k, examples=b.examples, samples=samples, rewards_N=rewards, correct_N=main,
                         info=info, data_state=b.data_state)
 
