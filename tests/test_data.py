@@ -321,3 +321,12 @@ def test_eval_batches_are_the_heldout_set_in_order(tok, tmp_path):
   got, _ = pl.eval_batches(pl.PromptDataConfig(source="arithmetic", eval_source=path), tok, process_index=0,
                            process_count=1)
   assert [i["prompt"] for b in got for i in b] == ["q"]
+
+
+def test_an_empty_eval_file_is_named(tok, tmp_path):
+  """Before: the error named the training file."""
+  train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+  _write_jsonl(train, [{"prompt": "a", "answer": "b"}])
+  held.write_text("")
+  with pytest.raises(ValueError, match=f"No rows in {held}"):
+    pl.load_prompts(pl.PromptDataConfig(source=str(train), eval_source=str(held)), tok, "heldout")
