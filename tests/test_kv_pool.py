@@ -236,7 +236,7 @@ def _random_op(pool: PagePool, dev: _Device, rng: np.random.Generator, n_seq: in
   if kind == "admit" or not live:
     n = int(rng.integers(1, pool.max_len + 1))
     toks = rng.integers(0, 1000, n).tolist()
-    slot = pool.admit(f"s{n_seq}", n)
+    slot = pool.admit(f"s{n_seq}", n, int(rng.integers(pool.n_shards)) if pool.n_shards > 1 else 0)
     dev.tokens[f"s{n_seq}"] = toks
     dev.write(slot, 0, toks)  # prefill
     return n_seq + 1
@@ -259,15 +259,18 @@ def _random_op(pool: PagePool, dev: _Device, rng: np.random.Generator, n_seq: in
     pool.free(slot)
     del dev.tokens[seq]
   else:
-    for gone in pool.preempt_youngest(int(rng.integers(0, pool.n_pages + 1))):
+    shard = pool.shard_of_slot(slot)
+    for gone in pool.preempt_youngest(int(rng.integers(0, pool.pages_per_shard + 1)), shard):
       del dev.tokens[gone]
   return n_seq
 
 
-def test_random_ops_keep_every_invariant():
-  """3000 seeded ops on a 12-page pool: check() and a device read-back after each one."""
+@pytest.mark.parametrize("n_shards, n_slots", [(1, 5), (2, 6)])
+def test_random_ops_keep_every_invariant(n_shards, n_slots):
+  """3000 seeded ops on a 12-page pool (one shard, or two of 6 pages and 3 slots each): check() (which
+  also checks that every slot and pin holds only its own shard's pages) and a device read-back after each."""
   rng = np.random.default_rng(0)
-  pool = PagePool(n_pages=12, page_size=3, n_slots=5, max_pages_per_seq=5)
+  pool = PagePool(n_pages=12, page_size=3, n_slots=n_slots, max_pages_per_seq=5, n_shards=n_shards)
   dev, n_seq, exhausted = _Device(pool), 0, 0
   for _ in range(3000):
     before = _snapshot(pool)
@@ -277,10 +280,64 @@ def test_random_ops_keep_every_invariant():
       _assert_same(_snapshot(pool), before)
       exhausted += 1
       if isinstance(err, OutOfPages) and rng.random() < 0.5:  # what the engine does next
-        for gone in pool.preempt_youngest(err.needed):
+        for gone in pool.preempt_youngest(err.needed, err.shard):
           del dev.tokens[gone]
-        assert pool.n_free_pages() >= err.needed
+        assert pool.n_free_pages(err.shard) >= err.needed
     pool.check()
     dev.verify()
   stats = pool.stats()
   assert stats["forks"] > 100 and stats["preemptions"] > 100 and exhausted > 100, (stats, exhausted)
+
+
+# ---------------------------------------------------------------- data shards
+
+
+def test_each_data_shard_gives_its_slots_only_its_own_pages_by_hand():
+  """2 shards of 4 pages and 2 slots: shard 1 owns slots 2, 3 and pages 4..7. Its fork, pin and growth
+  stay there; when it runs out, shard 0's free pages do not help and only shard 1 is preempted."""
+  pool = PagePool(n_pages=8, page_size=4, n_slots=4, max_pages_per_seq=3, n_shards=2)
+  assert pool.admit("a", 6, shard=1) == 2  # pages 4, 5 (page 5 half full)
+  assert pool.fork(2, "a2") == (3, (5, 6))  # the child shares page 4, copies 5 into 6
+  np.testing.assert_array_equal(pool.table(), [[-1] * 3, [-1] * 3, [4, 5, -1], [4, 6, -1]])
+  assert pool.admit("b", 3) == 0 and pool.table()[0, 0] == 0  # shard 0's lowest slot and page
+  assert (pool.n_free_pages(0), pool.n_free_pages(1), pool.n_free_pages()) == (3, 1, 4)
+  with pytest.raises(OutOfSlots, match="all 2 slots of data shard 1 busy"):
+    pool.admit("c", 1, shard=1)
+  with pytest.raises(OutOfPages) as err:
+    pool.pin(2)  # needs a private copy of page 5, and page 7 is shard 1's last free page ...
+    pool.pin(3)  # ... so the second pin finds shard 1 empty while shard 0 has 3 free pages
+  assert (err.value.shard, err.value.needed, err.value.free) == (1, 1, 0)
+  assert pool.pin_shard(0) == 1
+  pool.check()
+  assert pool.preempt_youngest(2, shard=1) == ["a2", "a"]  # b (shard 0, younger than a) is left alone
+  assert pool.seq_id(0) == "b" and pool.n_free_pages(1) == 2  # pages 5, 6; the pin keeps 4 and 7
+  assert pool.fork_pin(0, "a3") == (2, (7, 5))  # back in shard 1, from the pinned pages
+  pool.check()
+
+
+def test_admit_group_puts_a_whole_group_in_one_shard():
+  """A group goes to the shard with the most free slots, then pages; a shard without room for all
+  of it is skipped; if no shard has room, the pool is left as it was."""
+  pool = PagePool(n_pages=8, page_size=4, n_slots=4, max_pages_per_seq=4, n_shards=2)
+  empty = _snapshot(pool)
+  with pytest.raises(OutOfPages) as err:  # 2 + 1 (copy) pages, then 2 more for 8 new tokens: 5 > 4
+    pool.admit_group(["p", "q"], 6, reserve=8)  # fails in shard 0 after the fork, then in shard 1
+  assert (err.value.shard, err.value.needed, err.value.free) == (0, 2, 1)
+  _assert_same(_snapshot(pool), empty)  # includes stats: the rolled-back forks are not counted
+  assert pool.admit_group(["x"], 9, reserve=0) == ([0], [], None)  # shard 0: pages 0, 1, 2
+  slots, copies, pin = pool.admit_group(["g0", "g1"], 6, pin=True, reserve=2)
+  assert slots == [2, 3] and pin is not None and pool.pin_shard(pin) == 1
+  assert copies == [(5, 6), (5, 7)]  # the fork's and the pin's private copies of the partial page
+  before = _snapshot(pool)
+  with pytest.raises(OutOfSlots, match="no data shard has 2 free slots"):
+    pool.admit_group(["h0", "h1"], 1)
+  with pytest.raises(OutOfPages) as err:
+    pool.admit_group(["h0"], 5)  # shard 0 has a slot but 1 free page; shard 1 has no slot
+  assert (err.value.shard, err.value.needed) == (0, 2)
+  _assert_same(_snapshot(pool), before)
+  pool.check()
+
+
+def test_shard_counts_must_divide_the_pool():
+  with pytest.raises(ValueError, match="n_pages=10 and n_slots=4 must be multiples of the data shards"):
+    PagePool(n_pages=10, page_size=4, n_slots=4, max_pages_per_seq=3, n_shards=4)

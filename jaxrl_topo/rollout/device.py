@@ -14,6 +14,14 @@ tokens, log-probs and finish flags. Functions, in the shape of JetStream's engin
 Alphabet: B slots, G prompts of a wave, T prompt bucket, N sample rows, M pages per slot,
 X stop ids per slot, C page copies, K decode steps, V vocabulary.
 Row padding: slot index B and page index P are out of range, and every scatter uses mode="drop".
+
+Data shards: on a mesh with a `data` axis each function runs per data shard (`jax.shard_map`,
+manual over `data` only; `tensor` stays with GSPMD inside): shard d holds slots [d*B/D, (d+1)*B/D),
+pool pages [d*P/D, (d+1)*P/D) (kv_pool.py allocates a slot only pages of its own shard) and every
+host row array's rows [d*R/D, (d+1)*R/D), with slot indices local to the shard (B/D = padding).
+Page ids arrive global and are made shard-local on entry (`_local_pages`); the device's page table
+holds local ids. So no device ever reads another shard's pages: no collective touches the pool,
+and each device holds 1/D of the pool (per-device KV bytes fall as `data` grows).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
@@ -49,9 +58,14 @@ class Layout:
   constrains its output state to them, so a state threaded call to call keeps one layout and
   steady state compiles nothing."""
 
-  kv: jax.sharding.Sharding
-  B: jax.sharding.Sharding
-  BM: jax.sharding.Sharding
+  kv: jax.sharding.NamedSharding
+  B: jax.sharding.NamedSharding
+  BM: jax.sharding.NamedSharding
+
+  @property
+  def data(self) -> int:
+    """Data shards: each owns B/data slots and P/data pages."""
+    return dict(self.B.mesh.shape).get("data", 1)
 
 
 @struct.dataclass
@@ -76,6 +90,51 @@ def constrain(state: DecodeState, layout: Layout | None) -> DecodeState:
                        active_B=c(state.active_B, layout.B), stop_BX=c(state.stop_BX, layout.BM))
 
 
+_D, _R = P("data"), P()  # rows split over the data shards; replicated
+
+
+def _sharded(layout: Layout | None) -> bool:
+  return layout is not None and layout.data > 1
+
+
+def _per_shard(fn, layout: Layout | None, in_specs, out_specs):
+  """fn on each data shard's rows and pages (manual over `data` only); fn itself without data shards."""
+  if not _sharded(layout):
+    return fn
+  return jax.shard_map(fn, mesh=layout.B.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset({"data"}),
+                       check_vma=False)
+
+
+def _state_specs(state: DecodeState) -> DecodeState:
+  """shard_map specs of the state: slot rows and pool pages over `data`."""
+  specs = jax.tree.map(lambda _: _D, state)
+  return specs.replace(cache=specs.cache.replace(k_LPSKH=P(None, "data"), v_LPSKH=P(None, "data")))
+
+
+def _merge(graphdef, params, sharded: bool):
+  """The model, for one data shard's program when `sharded`: `data` is manual there, so its activation
+  constraints (ActivationSharding, models built on a mesh) keep only the other mesh axes."""
+  model = nnx.merge(graphdef, params)
+  act = getattr(model, "sharding", None)
+  if sharded and act is not None:
+    model.sharding = dataclasses.replace(act, rules=tuple((name, _without_data(axes)) for name, axes in act.rules))
+  return model
+
+
+def _without_data(axes):
+  """A rule's mesh axes less `data`."""
+  if isinstance(axes, tuple):
+    return tuple(a for a in axes if a != "data") or None
+  return None if axes == "data" else axes
+
+
+def _local_pages(ids, n_local: int, sharded: bool, missing: int):
+  """Global page ids -> this data shard's (it owns [d * n_local, (d + 1) * n_local)); -1 and ids of
+  other shards -> `missing`. Without shards only -1 changes."""
+  local = ids - jax.lax.axis_index("data") * n_local if sharded else ids
+  return jnp.where((ids >= 0) & (local >= 0) & (local < n_local), local, missing)
+
+
 def _stops(tok_N, stop_NX, eos_ids: tuple[int, ...]):
   eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
   return jnp.isin(tok_N, eos) | jnp.any(tok_N[:, None] == stop_NX, axis=-1)
@@ -90,9 +149,10 @@ def _set_rows(state: DecodeState, slot_N, last_N, pos_N, seq_N, left_N, active_N
                        stop_BX=put(state.stop_BX, stop_NX))
 
 
-def _copy_pages(cache: PagedKVCache, src_C, dst_C) -> PagedKVCache:
-  """Copy-on-write of forked partial pages, every layer; dst = n_pages entries are no-ops."""
-  src_C = jnp.clip(src_C, 0, cache.n_pages - 1)
+def _copy_pages(cache: PagedKVCache, src_C, dst_C, sharded: bool) -> PagedKVCache:
+  """Copy-on-write of forked partial pages (global ids), every layer; dst outside the shard: no-op."""
+  src_C = _local_pages(src_C, cache.n_pages, sharded, 0)
+  dst_C = _local_pages(dst_C, cache.n_pages, sharded, cache.n_pages)
   k = cache.k_LPSKH.at[:, dst_C].set(cache.k_LPSKH[:, src_C], mode="drop")
   v = cache.v_LPSKH.at[:, dst_C].set(cache.v_LPSKH[:, src_C], mode="drop")
   return cache.replace(k_LPSKH=k, v_LPSKH=v)
@@ -105,28 +165,51 @@ def prefill(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, leng
   """One wave: (state, first tokens_N, their log-probs_N). Sample row n draws from prompt prompt_N[n]
   with the key (seed, seq_N[n], its prompt length) and, unless slot_N[n] = B, goes live in that slot
   with left_N[n] more tokens allowed. `table_BM` replaces the device page table (it holds the
-  wave's slots); `table_GM` holds each prompt's own pages (all -1 for padding rows)."""
-  model = nnx.merge(graphdef.value, params)
+  wave's slots); `table_GM` holds each prompt's own pages (all -1 for padding rows). With data
+  shards, every G, C and N row array is split into equal per-shard parts (module docstring)."""
+  body = functools.partial(_prefill_shard, graphdef.value, sampling=sampling, eos_ids=eos_ids,
+                           sharded=_sharded(layout))
+  specs = _state_specs(state)
+  state, tok_N, lp_N = _per_shard(body, layout, (_R, specs, _R) + (_D,) * 11, (specs, _D, _D))(
+      params, state, key, table_BM, tokens_GT, lengths_G, table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N,
+      stop_NX)
+  return constrain(state, layout), tok_N, lp_N
+
+
+def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, lengths_G, table_GM, src_C, dst_C,
+                   prompt_N, slot_N, seq_N, left_N, stop_NX, *, sampling, eos_ids, sharded: bool):
+  model = _merge(graphdef, params, sharded)
   G, T = tokens_GT.shape
-  view = state.cache.replace(table_BM=table_GM)
+  n_local = state.cache.n_pages
+  view = state.cache.replace(table_BM=_local_pages(table_GM, n_local, sharded, -1))
   positions_GT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (G, T))
   h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view)
   h_G1D = jnp.take_along_axis(h_GTD, (lengths_G - 1)[:, None, None], axis=1)
   logits_GV = model.logits(h_G1D)[:, 0]
-  cache = _copy_pages(state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH, table_BM=table_BM), src_C, dst_C)
+  cache = state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH,
+                              table_BM=_local_pages(table_BM, n_local, sharded, -1))
+  cache = _copy_pages(cache, src_C, dst_C, sharded)
   len_N = lengths_G[prompt_N]
   tok_N, lp_N = sample_tokens(logits_GV[prompt_N], sequence_keys(key, seq_N, len_N), sampling)
   active_N = (left_N > 0) & ~_stops(tok_N, stop_NX, eos_ids)
   state = _set_rows(state.replace(cache=cache), slot_N, tok_N, len_N, seq_N, left_N, active_N, stop_NX)
-  return constrain(state, layout), tok_N, lp_N
+  return state, tok_N, lp_N
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("state",))
 def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq_N, left_N, active_N, stop_NX, *,
           layout: Layout | None = None):
   """The host's changes between chunks: a new page table, page copies, slot rows."""
-  cache = _copy_pages(state.cache.replace(table_BM=table_BM), src_C, dst_C)
-  state = _set_rows(state.replace(cache=cache), slot_N, last_N, pos_N, seq_N, left_N, active_N, stop_NX)
+  sharded = _sharded(layout)
+
+  def body(state, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq_N, left_N, active_N, stop_NX):
+    cache = state.cache.replace(table_BM=_local_pages(table_BM, state.cache.n_pages, sharded, -1))
+    cache = _copy_pages(cache, src_C, dst_C, sharded)
+    return _set_rows(state.replace(cache=cache), slot_N, last_N, pos_N, seq_N, left_N, active_N, stop_NX)
+
+  specs = _state_specs(state)
+  state = _per_shard(body, layout, (specs,) + (_D,) * 10, specs)(
+      state, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq_N, left_N, active_N, stop_NX)
   return constrain(state, layout)
 
 
@@ -134,8 +217,20 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
                    donate_argnames=("state",))
 def generate(graphdef, params, state: DecodeState, key, *, sampling: SamplingConfig, n_steps: int,
              eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None):
-  """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk)."""
-  model = nnx.merge(graphdef.value, params)
+  """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
+  With data shards each shard decodes its own slots and stops when they are done."""
+  body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids,
+                           pad_id=pad_id, sharded=_sharded(layout))
+  specs, KB = _state_specs(state), P(None, "data")
+  state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R), (specs, KB, KB, KB))(
+      params, state, key)
+  state = constrain(state, layout)
+  return state, tokens_KB, logprobs_KB, emitted_KB, state.active_B
+
+
+def _generate_shard(graphdef, params, state: DecodeState, key, *, sampling, n_steps: int, eos_ids, pad_id: int,
+                    sharded: bool):
+  model = _merge(graphdef, params, sharded)
 
   def step(carry):
     i, state, tokens_KB, logprobs_KB, emitted_KB = carry
@@ -158,12 +253,12 @@ def generate(graphdef, params, state: DecodeState, key, *, sampling: SamplingCon
           jnp.zeros((n_steps, B), bool))
   _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(
       lambda c: (c[0] < n_steps) & jnp.any(c[1].active_B), step, init)
-  state = constrain(state, layout)
-  return state, tokens_KB, logprobs_KB, emitted_KB, state.active_B
+  return state, tokens_KB, logprobs_KB, emitted_KB
 
 
-def layout_for(mesh, n_slots: int, n_kv_heads: int) -> Layout | None:
-  """Shardings of the device state on a rollout mesh: slots over `data`, KV heads over `tensor`."""
+def layout_for(mesh, n_slots: int, n_pages: int, n_kv_heads: int) -> Layout | None:
+  """Shardings of the device state on a rollout mesh: slots and pool pages over `data` (each data
+  shard owns n_slots/data slots and n_pages/data pages), KV heads over `tensor`."""
   if mesh is None:
     return None
   axes = dict(mesh.shape)
@@ -171,12 +266,13 @@ def layout_for(mesh, n_slots: int, n_kv_heads: int) -> Layout | None:
   if unknown:
     raise ValueError(f"rollout mesh axes {sorted(unknown)} unknown; the engine uses 'data' and 'tensor'")
   data, tensor = axes.get("data", 1), axes.get("tensor", 1)
-  if n_slots % data:
-    raise ValueError(f"n_slots={n_slots} must be a multiple of the mesh's data axis ({data})")
+  for name, n in (("n_slots", n_slots), ("n_pages", n_pages)):
+    if n % data:
+      raise ValueError(f"{name}={n} must be a multiple of the mesh's data axis ({data}): each data shard owns "
+                       f"{name} / {data} of them")
   d = "data" if "data" in axes else None
   # KV heads split over `tensor` when they divide; otherwise (Qwen2.5-0.5B's 2 KV heads at tensor=4)
   # every tensor shard keeps all KV heads: each query-head shard reads the KV heads it needs locally.
   t = "tensor" if "tensor" in axes and n_kv_heads % tensor == 0 else None
-  P = jax.sharding.PartitionSpec
   ns = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))  # noqa: E731
-  return Layout(kv=ns(None, None, None, t, None), B=ns(d), BM=ns(d, None))
+  return Layout(kv=ns(None, d, None, t, None), B=ns(d), BM=ns(d, None))

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_topo.models.config import ModelConfig
-from jaxrl_topo.rollout import device
+from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
-from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
-from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool, PoolExhausted
+from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _SlotMirror, _Wave
+from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
 from jaxrl_topo.rollout.sampling import SamplingConfig
@@ -89,8 +89,9 @@ class RolloutEngine:
 
   JetStream-shaped pieces: `insert_group` (prefill once + insert n slots; `insert` is n = 1),
   `generate` (one chunk of K steps), `free`; `run(requests)` is the whole loop over them.
-  With `mesh` (axes `data`, `tensor`), slots are split over `data` and the KV pool over KV heads
-  on `tensor`; the caller passes params already laid out on that mesh (topology ROLLOUT_RULES).
+  With `mesh` (axes `data`, `tensor`), each data shard owns n_slots/data slots and n_pages/data
+  pages of the KV pool (a group lives in one shard; device.py runs per shard), and KV heads split over
+  `tensor`; the caller passes params already laid out on that mesh (topology ROLLOUT_RULES).
   `detokenize(ids) -> str` enables per-request stop strings.
   """
 
@@ -105,9 +106,10 @@ class RolloutEngine:
     self._pending: _Pending | None = None
     self._running = False  # a stream is open: updates land under their policy
     self._stream = None  # the open stream (run() opens one of its own)
-    self.layout = device.layout_for(mesh, ecfg.n_slots, cfg.n_kv_heads)
+    self.layout = device.layout_for(mesh, ecfg.n_slots, ecfg.n_pages, cfg.n_kv_heads)
     self.impl = resolve_impl(ecfg.impl, cfg, ecfg.page_size)
-    self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq)
+    self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq,
+                         n_shards=self.layout.data if self.layout else 1)  # a data shard's slots get its pages
     self.host = _SlotMirror.zeros(ecfg.n_slots)
     self.state = self._zero_state()
     self.stats = collections.Counter()
@@ -122,15 +124,17 @@ class RolloutEngine:
     self._unread: list = []  # dispatched prefills whose first tokens are not read yet
 
   def _zero_state(self) -> DecodeState:
+    """Born in the steady-state layout (each device allocates only its shard of the pool)."""
     e, B = self.ecfg, self.ecfg.n_slots
-    cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
-                               dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
-    z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
-    state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
-                        stop_BX=jnp.full((B, _MAX_STOP_IDS), -1, jnp.int32))
-    if self.layout is None:
-      return state
-    return jax.jit(device.constrain, static_argnums=1)(state, self.layout)  # the steady-state layout from the start
+
+    def zeros():
+      cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
+                                 dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
+      z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+      state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
+                          stop_BX=jnp.full((B, _MAX_STOP_IDS), -1, jnp.int32))
+      return device.constrain(state, self.layout)
+    return jax.jit(zeros)() if self.layout is not None else zeros()
 
   def release_kv(self) -> None:
     """Frees the KV pool's device memory (colocated: the trainer needs it); the next `run` or
@@ -184,27 +188,8 @@ class RolloutEngine:
     pinned for `fork_pinned`. Returns (slots, pin id or None). Raises OutOfPages, with nothing
     changed, if the group does not fit."""
     self._ensure_kv()
-    slots, copies, pin = [], [], None
-    try:
-      slots.append(self.pool.admit(seq_ids[0], len(prompt_ids)))
-      for sid in seq_ids[1:]:
-        slot, copy = self.pool.fork(slots[0], sid)
-        slots.append(slot)
-        if copy is not None:
-          copies.append(copy)
-      pin = None
-      if later:
-        pin, copy = self.pool.pin(slots[0])
-        if copy is not None:
-          copies.append(copy)
-      for slot in slots:
-        self.pool.ensure_capacity(slot, min(lookahead, max_new_tokens - 1))
-    except PoolExhausted:  # out of pages (or slots): nothing stays allocated
-      if pin is not None:
-        self.pool.unpin(pin)
-      for slot in reversed(slots):
-        self.pool.free(slot)
-      raise
+    slots, copies, pin = self.pool.admit_group(seq_ids, len(prompt_ids), pin=bool(later),  # one data shard
+                                               reserve=min(lookahead, max_new_tokens - 1))
     h = self.host
     for slot, sid in zip(slots, seq_ids, strict=True):
       self._epoch_B[slot] += 1
@@ -248,22 +233,12 @@ class RolloutEngine:
     """Sends the host's changes: a patch (deactivated rows, a page table that grew), then the
     pending admission wave, one prefill per prompt-length bucket. A wave must go out before any
     of its slots can be freed (its prefill writes the pages they held)."""
-    e, B = self.ecfg, self.ecfg.n_slots
+    e = self.ecfg
     table = self.pool.table()
     live = self.host.active_B
     stale = not np.array_equal(table[live], self._dev_table[live])  # rows of idle slots are never read
     if self._rows or self._copies or (stale and not self._waves):
-      slot_N = np.full((B,), B, np.int32)
-      vals = np.zeros((5, B), np.int32)
-      stop_NX = np.full((B, _MAX_STOP_IDS), -1, np.int32)
-      for n, (slot, row) in enumerate(sorted(self._rows.items())):
-        slot_N[n] = slot
-        vals[:, n] = row[:5]
-        stop_NX[n, : len(row[5])] = row[5]
-      src_C, dst_C = np.zeros((B,), np.int32), np.full((B,), e.n_pages, np.int32)  # <= one copy per slot
-      for c, (src, dst) in enumerate(self._copies.values()):
-        src_C[c], dst_C[c] = src, dst
-      self.state = patch(self.state, table, src_C, dst_C, slot_N, *vals[:4], vals[4].astype(bool), stop_NX,
+      self.state = patch(self.state, table, *uploads.patch_arrays(self.pool, self._rows, self._copies, _MAX_STOP_IDS),
                          layout=self.layout)
       self._dev_table, self._rows, self._copies = table, {}, {}
       self.stats["uploads"] += 1
@@ -276,33 +251,9 @@ class RolloutEngine:
       self._dev_table, self._waves = table, []
 
   def _prefill(self, table, T: int, waves: list[_Wave]):
-    e, B = self.ecfg, self.ecfg.n_slots
-    rows_needed = sum(len(w.slots) + len(w.later) for w in waves)
-    G, N = _pow2(len(waves)), B if rows_needed <= B else 2 * B  # slotted rows <= B, later ones < B
-    C = _pow2(max(1, sum(len(w.copies) for w in waves)))
-    tokens_GT = np.full((G, T), e.pad_id, np.int32)
-    lengths_G = np.ones((G,), np.int32)
-    table_GM = np.full((G, e.max_pages_per_seq), -1, np.int32)
-    src_C, dst_C = np.zeros((C,), np.int32), np.full((C,), e.n_pages, np.int32)
-    prompt_N, slot_N, seq_N, left_N = np.zeros((N,), np.int32), np.full((N,), B, np.int32), *np.zeros((2, N), np.int32)
-    stop_NX = np.full((N, _MAX_STOP_IDS), -1, np.int32)
-    n = c = 0
-    rows = []
-    for g, w in enumerate(waves):
-      tokens_GT[g, : len(w.prompt_ids)] = w.prompt_ids
-      lengths_G[g] = len(w.prompt_ids)
-      table_GM[g] = w.table_M
-      for src, dst in w.copies:
-        src_C[c], dst_C[c] = src, dst
-        c += 1
-      for slot, sid, tag in [*((s, i, None) for s, i in zip(w.slots, w.seq_ids, strict=True)),
-                             *((B, i, (i, pin)) for i, pin in w.later)]:
-        prompt_N[n], slot_N[n], seq_N[n], left_N[n] = g, slot, sid, w.max_new_tokens - 1
-        stop_NX[n, : len(w.stop_ids)] = w.stop_ids
-        rows.append((slot, int(self._epoch_B[slot]) if slot < B else tag, self.gen_id))
-        n += 1
-    self.state, tok_N, lp_N = prefill(self._static, self.params, self.state, self.key, table, tokens_GT, lengths_G,
-                                      table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX,
+    arrays, rows = uploads.prefill_arrays(self.pool, waves, T, self.ecfg.pad_id, _MAX_STOP_IDS, self._epoch_B,
+                                          self.gen_id)
+    self.state, tok_N, lp_N = prefill(self._static, self.params, self.state, self.key, table, *arrays,
                                       sampling=self.sampling, eos_ids=self.ecfg.eos_ids, layout=self.layout)
     self.stats["prefill_calls"] += 1
     self.stats["uploads"] += 1
@@ -329,7 +280,7 @@ class RolloutEngine:
     h, e = self.host, self.ecfg
     new: dict[int, tuple[list[int], list[float], list[int]]] = {}
     for (tok_N, lp_N), (_, _, rows) in zip(firsts, d.firsts, strict=True):
-      for n, (slot, epoch, gen_id) in enumerate(rows):
+      for n, (slot, epoch, gen_id) in rows.items():
         if slot == e.n_slots:  # no slot yet: `epoch` is (seq id, pin id)
           self.first_of[epoch] = (int(tok_N[n]), float(lp_N[n]), gen_id)
           continue

@@ -5,6 +5,8 @@ the same `attend(layer, q_BTNH, k_BTKH, v_BTKH, positions_BT) -> (out_BTNH, cach
 layers.DenseKVCache, so the model code is unchanged: `model.hidden(tokens, positions, None, paged)`
 prefills (T prompt tokens) and decodes (T = 1). Page ids are chosen on the host (kv_pool.py); rows
 may share physical pages (GRPO prefix sharing) as long as they never write into a shared page.
+Under the engine's data shards (device.py) each shard's program sees only its own pages and rows,
+with shard-local page ids, so every read and write here stays on the device that holds the page.
 
 Dimension letters (those of models/layers.py, plus):
   L layers  P pages in the pool  S slots per page (page_size)  M max pages per row

@@ -57,9 +57,11 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
       raise ValueError(f"request {r}: prompt {n} + max_new_tokens {req.max_new_tokens} > max_len {e.max_len}")
     if req.n > e.n_slots:
       raise ValueError(f"request {r}: n={req.n} samples need as many decode slots; the engine has {e.n_slots}")
-    group_pages = -(-(n + req.max_new_tokens) // e.page_size) * req.n
-    if group_pages > e.n_pages:
-      raise ValueError(f"request {r}: its {req.n} samples can need {group_pages} pages; the pool has {e.n_pages}")
+    pool = eng.pool  # a group lives in one data shard: its pages, at most its slots at once
+    group_pages = -(-(n + req.max_new_tokens) // e.page_size) * min(req.n, pool.slots_per_shard)
+    if group_pages > pool.pages_per_shard:
+      raise ValueError(f"request {r}: its {req.n} samples can need {group_pages} pages; the pool has "
+                       f"{pool.pages_per_shard}" + (" per data shard" if pool.n_shards > 1 else ""))
     if len(req.stop_ids) > MAX_STOP_IDS:
       raise ValueError(f"request {r}: at most {MAX_STOP_IDS} stop ids")
     if req.stop_strings and (eng.detokenize is None or not all(req.stop_strings)):
@@ -214,7 +216,7 @@ class _Loop:
       self.drop_pins()  # nothing live to wait for: prefill those samples afresh
       held = 0
     while self.queue:
-      free = eng.ecfg.n_slots - len(self.live) - held
+      free = eng.pool.max_free_slots() - held  # a group starts in one data shard
       r, samples, resume = self.queue[0]
       req = self.requests[r]
       if free <= 0 or (resume and len(samples) > free):  # held may exceed the free slots
@@ -249,7 +251,7 @@ class _Loop:
     for r in list(self.pinned):
       pin, waiting = self.pinned[r]
       req = self.requests[r]
-      while waiting and len(self.live) < eng.ecfg.n_slots:
+      while waiting and eng.pool.n_free_slots(eng.pool.pin_shard(pin)):
         sid = int(self.base[r]) + waiting[0]
         if (sid, pin) not in eng.first_of:  # sampled by a prefill whose results are not read yet
           held += len(waiting)
@@ -320,7 +322,7 @@ class _Loop:
             self.drop_pins()
             continue
           seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
-          for seq in eng.pool.preempt_youngest(err.needed):
+          for seq in eng.pool.preempt_youngest(err.needed, err.shard):
             victim = seq_to_slot[seq]
             r, i = self.live.pop(victim)
             eng._released(victim)

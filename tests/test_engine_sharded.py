@@ -1,0 +1,179 @@
+"""The rollout engine with its KV pool split over the rollout mesh's `data` axis (device.py, kv_pool.py).
+
+Each data shard owns n_slots/data slots and n_pages/data pages. These tests check the bytes each
+device holds (from the arrays' shardings), that the compiled decode step moves no pool bytes between
+devices (from its HLO), and that sharded outputs are token for token one device's under pinned
+groups, preemption, stop strings and every weight-update policy.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from test_engine import EOS, SAMPLED, TINY, _detok, _engine, _prompts, _swap_once, _tiny_params
+
+from jaxrl_topo.models.model import abstract_model, param_shardings
+from jaxrl_topo.rollout import device
+from jaxrl_topo.rollout import engine as engine_lib
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
+
+_COLLECTIVE = re.compile(r" = (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return _tiny_params()
+
+
+def _mesh(data: int, tensor: int):
+  return make_mesh({"data": data, "tensor": tensor}, jax.devices()[: data * tensor])
+
+
+def _on_mesh(params, mesh):
+  return jax.device_put(params, param_shardings(abstract_model(TINY)[1], mesh, ROLLOUT_RULES))
+
+
+def _sharded_engine(graphdef, params, mesh, detokenize=None, **kw):
+  """test_engine._engine's defaults but 8 slots; mesh=None: one device."""
+  defaults = dict(n_slots=8, page_size=4, n_pages=64, max_len=64, decode_chunk=5, tail_chunk=5, sampling=SAMPLED,
+                  eos_ids=EOS)
+  params = params if mesh is None else _on_mesh(params, mesh)
+  return RolloutEngine(graphdef, TINY, params, EngineConfig(**{**defaults, **kw}), mesh=mesh, detokenize=detokenize)
+
+
+def _collectives(hlo: str) -> list[tuple[str, int, str]]:
+  """(op, elements of its largest result, replica groups) of every collective in an HLO text."""
+  found = []
+  for line in hlo.splitlines():
+    groups = re.search(r"replica_groups=(\{\{.*?\}\}|\[[^ ]*?)(?:, | |$)", line)
+    if groups is None:
+      continue
+    op = _COLLECTIVE.search(line)
+    assert op, f"a collective not understood: {line.strip()[:160]}"
+    elems = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\w+\[([\d,]*)\]", op[1])]
+    found.append((op[2], max(elems), groups[1]))
+  return found
+
+
+def _replica_groups(text: str) -> list[list[int]]:
+  """HLO replica groups: `{{0,1},{2,3}}` or the iota form `[G,S]<=[dims]T(perm)`."""
+  if text.startswith("{"):
+    return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", text)]
+  m = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  assert m, f"replica groups {text!r}: unknown form"
+  ids = np.arange(int(m[1]) * int(m[2])).reshape([int(d) for d in m[3].split(",")])
+  if m[4]:
+    ids = ids.transpose([int(p) for p in m[4].split(",")])
+  return ids.reshape(int(m[1]), int(m[2])).tolist()
+
+
+# ---------------------------------------------------------------- memory and communication
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_kv_bytes_per_device_fall_as_data_grows(tiny, tensor):
+  """64 pages, 8 slots: each device holds 64/data pages (and 2/tensor KV heads) of K and of V, and
+  8/data rows of the page table; per-device KV bytes halve with every doubling of `data`."""
+  graphdef, params = tiny
+  L, K, H = TINY.n_layers, TINY.n_kv_heads, TINY.head_dim
+  per_device = []
+  for data in (1, 2, 4):
+    eng = _sharded_engine(graphdef, params, _mesh(data, tensor))
+    for kv in (eng.state.cache.k_LPSKH, eng.state.cache.v_LPSKH):
+      local = kv.addressable_shards[0].data
+      assert kv.sharding.shard_shape(kv.shape) == local.shape == (L, 64 // data, 4, K // tensor, H)
+      assert {s.data.nbytes for s in kv.addressable_shards} == {local.nbytes}
+    table = eng.state.cache.table_BM
+    assert table.sharding.shard_shape(table.shape) == (8 // data, eng.ecfg.max_pages_per_seq)
+    assert eng.pool.pages_per_shard == 64 // data and eng.pool.slots_per_shard == 8 // data
+    per_device.append(2 * local.nbytes)
+  whole = 2 * L * 64 * 4 * K * H * 4  # K and V, fp32
+  assert per_device == [whole // (data * tensor) for data in (1, 2, 4)], per_device
+
+
+@pytest.mark.parametrize("data, tensor", [(4, 2), (4, 1)])
+def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, tensor):
+  """The compiled `generate` chunk: every collective stays inside one data shard (the tensor-parallel
+  sums of the model) and is far smaller than a device's share of the pool; without `tensor`, there is
+  no collective at all. An all-gather of the pool (GSPMD's answer to a gather it cannot prove local)
+  would fail both."""
+  graphdef, params = tiny
+  eng = _sharded_engine(graphdef, params, _mesh(data, tensor))
+  hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, sampling=eng.sampling, n_steps=5,
+                              eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
+  kv = eng.state.cache.k_LPSKH
+  pool_elems = int(np.prod(kv.sharding.shard_shape(kv.shape)))
+  found = _collectives(hlo)
+  if tensor == 1:
+    assert not found, f"collectives in a decode step with nothing to share: {found}"
+  for op, elems, groups in found:
+    assert elems * 8 < pool_elems, f"{op} of {elems} elements moves pool-sized data ({pool_elems} per device)"
+    for group in _replica_groups(groups):  # mesh devices are data-major: device i is in data shard i // tensor
+      assert len({i // tensor for i in group}) == 1, f"{op} of {elems} elements crosses data shards: {group}"
+  assert found or tensor == 1
+
+
+def test_n_pages_must_divide_over_data(tiny):
+  graphdef, params = tiny
+  with pytest.raises(ValueError, match=r"n_pages=30 must be a multiple of the mesh's data axis \(4\)"):
+    _sharded_engine(graphdef, params, _mesh(4, 2), n_pages=30)
+
+
+# ---------------------------------------------------------------- outputs equal one device's
+
+
+def test_groups_pin_across_shards_and_stop_strings_cut_as_on_one_device(tiny):
+  """data=4, 2 slots per shard: groups of 3 cannot start whole in any shard, so each starts 2 samples
+  and forks its third from the pinned prompt in the same shard; every token, log-prob and finish is
+  what one roomy device gives, and running the batch again compiles nothing new."""
+  graphdef, params = tiny
+  prompts = _prompts(6, seed=23, max_len=12)
+  vowels = ("a", "e", "i", "o", "u")
+  requests = ([Request(p, n=3, max_new_tokens=9) for p in prompts[:4]] +
+              [Request(p, max_new_tokens=14, stop_strings=vowels) for p in prompts[4:]])
+  want = _sharded_engine(graphdef, params, None, _detok, n_slots=16, n_pages=256).run(requests)
+  eng = _sharded_engine(graphdef, params, _mesh(4, 2), _detok)
+  got = eng.run(requests)
+  assert [(s.tokens, s.finish_reason) for s in got] == [(s.tokens, s.finish_reason) for s in want]
+  np.testing.assert_allclose(np.concatenate([s.logprobs for s in got]),
+                             np.concatenate([s.logprobs for s in want]), atol=2e-5)
+  assert eng.stats["pinned_groups"] >= 4 and eng.stats["prefills"] == 6
+  assert any(_detok(s.tokens)[-1] in vowels and s.finish_reason == "stop" for s in got[-2:]), "no stop string hit"
+  eng.pool.check()
+  assert eng.pool.pins() == [] and eng.pool.stats()["used_pages"] == 0
+  sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size(), engine_lib.patch._cache_size())
+  assert [s.tokens for s in eng.run(requests)] == [s.tokens for s in got]  # the same shapes: nothing to compile
+  assert (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size(),
+          engine_lib.patch._cache_size()) == sizes, "steady state recompiled"
+
+
+def test_preemption_within_a_shard_gives_one_devices_outputs(tiny):
+  """data=2, 2 slots and 6 pages per shard, sequences of up to 6 pages: a shard runs out while the
+  other may have free pages; only its own youngest are preempted, and the outputs do not change."""
+  graphdef, params = tiny
+  requests = [Request(p, max_new_tokens=16) for p in _prompts(8, seed=6, max_len=8)]
+  want = _engine(graphdef, params, n_pages=64).run(requests)
+  eng = _sharded_engine(graphdef, params, _mesh(2, 2), n_slots=4, n_pages=12, max_len=32)
+  got = eng.run(requests)
+  assert eng.stats["preemptions"] > 0, "the shards were meant to run out"
+  assert [s.tokens for s in got] == [s.tokens for s in want]
+  eng.pool.check()
+  assert eng.pool.stats()["used_pages"] == 0
+
+
+@pytest.mark.parametrize("policy", ["keep_kv", "finish_on_old", "abort_and_resume"])
+def test_weight_updates_land_as_on_one_device(tiny, policy):
+  """Each policy, swapping to other weights after chunk 1: tokens and their gen_ids equal one device's."""
+  graphdef, params = tiny
+  _, new = _tiny_params(seed=7)
+  requests = [Request(p, max_new_tokens=12) for p in _prompts(5, seed=11)]
+  want = _engine(graphdef, params, n_slots=2, eos_ids=()).run(requests, on_chunk=_swap_once(new, policy))
+  mesh = _mesh(2, 2)
+  eng = _sharded_engine(graphdef, params, mesh, n_slots=2, eos_ids=())
+  got = eng.run(requests, on_chunk=_swap_once(_on_mesh(new, mesh), policy))
+  assert [(s.tokens, s.gen_ids) for s in got] == [(s.tokens, s.gen_ids) for s in want]
+  assert eng.gen_id == 1 and any(1 in s.gen_ids for s in got)
