@@ -219,6 +219,7 @@ class Feed:
     self.exp, self.on_span = exp, on_span
     self.added = start  # batches [start, added) were drawn and added
     self.batches: dict[int, _Batch] = {}
+    self._last_done = 0.0  # when the previous batch taken finished
     self._ctx = exp.engine.stream(on_chunk, self._on_group, key=rollout_key(exp))
     self.stream = self._ctx.__enter__()
 
@@ -244,7 +245,10 @@ class Feed:
     t = time.perf_counter()
     samples = self.stream.run_until(k)
     t1 = time.perf_counter()
-    self.on_span(span("rollout", "rollout", _devices(exp.topology.rollout), k, b.gen_id, b.added_at, t1))
+    # Batches overlap in the stream: batch k's span starts when it joined, or when batch k-1 finished if that
+    # is later, so the spans tile the rollout side's busy time (one batch's worth of decoding each).
+    start, self._last_done = max(b.added_at, self._last_done), t1
+    self.on_span(span("rollout", "rollout", _devices(exp.topology.rollout), k, b.gen_id, start, t1))
     rewards, main, info = score(exp, b.examples, samples, [b.tickets[g] for g in range(len(b.examples))])
     t2 = time.perf_counter()
     self.on_span(span("reward", "reward", _reward_devices(exp), k, b.gen_id, t1, t2))
