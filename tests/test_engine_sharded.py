@@ -177,3 +177,19 @@ def test_weight_updates_land_as_on_one_device(tiny, policy):
   got = eng.run(requests, on_chunk=_swap_once(_on_mesh(new, mesh), policy))
   assert [(s.tokens, s.gen_ids) for s in got] == [(s.tokens, s.gen_ids) for s in want]
   assert eng.gen_id == 1 and any(1 in s.gen_ids for s in got)
+
+
+def test_release_kv_gives_back_the_shards_and_reallocates_them_without_compiling(tiny):
+  """Colocated mode frees the pool between runs: the next run gets it back, born sharded, from the
+  engine's one jitted builder, and decodes the same tokens."""
+  graphdef, params = tiny
+  eng = _sharded_engine(graphdef, params, _mesh(2, 2))
+  requests = [Request(p, n=2, max_new_tokens=6) for p in _prompts(3, seed=29)]
+  first = eng.run(requests)
+  old = eng.state.cache.k_LPSKH
+  eng.release_kv()
+  assert old.is_deleted()
+  assert [s.tokens for s in eng.run(requests)] == [s.tokens for s in first]
+  kv = eng.state.cache.k_LPSKH
+  assert kv.sharding == old.sharding and kv.addressable_shards[0].data.shape[1] == 64 // 2
+  assert eng._zero_state._cache_size() == 1, "the pool's builder compiled again"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -123,8 +124,10 @@ class RolloutEngine:
     self.first_of: dict[tuple[int, int], tuple[int, float, int]] = {}
     self._unread: list = []  # dispatched prefills whose first tokens are not read yet
 
-  def _zero_state(self) -> DecodeState:
-    """Born in the steady-state layout (each device allocates only its shard of the pool)."""
+  @functools.cached_property
+  def _zero_state(self) -> Callable[[], DecodeState]:
+    """Makes an idle state, born in the steady-state layout (each device allocates only its shard of the
+    pool); jitted once per engine, so `release_kv` and the next allocation compile nothing."""
     e, B = self.ecfg, self.ecfg.n_slots
 
     def zeros():
@@ -134,7 +137,7 @@ class RolloutEngine:
       state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
                           stop_BX=jnp.full((B, _MAX_STOP_IDS), -1, jnp.int32))
       return device.constrain(state, self.layout)
-    return jax.jit(zeros)() if self.layout is not None else zeros()
+    return jax.jit(zeros) if self.layout is not None else zeros
 
   def release_kv(self) -> None:
     """Frees the KV pool's device memory (colocated: the trainer needs it); the next `run` or
