@@ -152,7 +152,8 @@ def test_enforcement_text_per_mode():
     assert "checked after landing" in rep.enforcement
   assert "one device set" in co.enforcement and "nothing is in flight" in co.in_flight
   assert "one version behind" in dis.enforcement and "between batches" in dis.in_flight
-  assert "has no effect" in dis.in_flight
+  assert "later batches' sequences" in dis.in_flight  # the continuous stream (the default)
+  assert "has no effect" in audit.in_flight_text("disaggregated", "keep_kv", continuous=False)
   assert "land_after_chunks=4" in asy.enforcement and "between decode chunks" in asy.in_flight
   assert "re-prefilled" in asy.in_flight and set(asy.to_dict()["update_policies"]) == set(audit.UPDATE_POLICY_TEXT)
   assert "K/V cached under the old weights" in audit.staleness_audit(_cfg("async", eta=1)).in_flight

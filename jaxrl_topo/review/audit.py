@@ -1,6 +1,7 @@
 """Data-path review, part two: where staleness is bounded and which phases overlap (DESIGN §1.5, §4-5).
 
-Two audits of a run, both plain data in and a frozen report out (`to_dict` for JSON, `to_markdown` for humans):
+Two audits of a run (the overlap one lives in review/overlap.py), both plain data in and a frozen report
+out (`to_dict` for JSON, `to_markdown` for humans):
 
   staleness_audit(cfg, histograms)   the configured bound eta and WHERE runtime/loop.py enforces it, what a
                                      generation in flight does when weights land, whether the loss corrects the
@@ -19,26 +20,23 @@ Python: no JAX, and the runtime modules (which import JAX) are only imported by 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
-import statistics
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
   from jaxrl_topo.runtime.config import RunConfig
 
-PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval")  # the loop's span phases, in data-flow order
-TRAINER_PHASES = ("logprobs", "train", "sync")  # what keeps the trainer's devices busy
-ROLLOUT_PHASES = ("rollout", "eval", "sync")  # ... and the rollout's
-_EPS = 1e-9  # seconds: less overlap than this is "serialised"
+from jaxrl_topo.review.overlap import PHASES, OverlapReport, overlap_audit  # noqa: F401  (audit's public API)
 
 # ---------------------------------------------------------------- §2 staleness: what the code does, per mode
 
 _PACING = ("runtime/loop.py train_loop: batch k is started only when the trainer has reached version k - eta "
-           "(the `produced <= version + eta` check, so the ready queue never holds more than eta + 1 batches: "
-           "`len(ready) <= eta`); each step's lag (trainer version minus each token's gen_id) is checked after "
+           "(batch by batch: the `produced <= version + eta` check, so the ready queue never holds more than eta + 1 "
+           "batches: `len(ready) <= eta`; continuous rollout: batch k joins the open stream (runtime/rollout_side.py "
+           "Feed.top_up) only once k <= version + eta, and versions only grow, so no later admission can break it); "
+           "each step's lag (trainer version minus each token's gen_id) is checked after "
            "landing (`land`: staleness/max > eta raises AssertionError naming the step)")
 
 _MODE_ENFORCEMENT = {
@@ -128,15 +126,20 @@ def enforcement_text(mode: str, eta: int, land_after_chunks: int = 1) -> str:
   return f"eta = {eta}. {_PACING}. {_MODE_ENFORCEMENT[mode].format(chunks=land_after_chunks)}"
 
 
-def in_flight_text(mode: str, update_policy: str) -> str:
-  """What a generation in flight does when new weights land, for `mode` and rollout.update_policy."""
+def in_flight_text(mode: str, update_policy: str, continuous: bool = False) -> str:
+  """What a generation in flight does when new weights land, for `mode`, rollout.update_policy and
+  rollout.continuous."""
   if update_policy not in UPDATE_POLICY_TEXT:
     raise ValueError(f"unknown rollout.update_policy {update_policy!r}; expected one of {tuple(UPDATE_POLICY_TEXT)}")
   if mode == "colocated":
     return ("nothing is in flight: rollout, train and sync alternate on the same devices (the KV pool is released "
             "while training); " + _BETWEEN_BATCHES.format(policy=update_policy))
-  if mode == "disaggregated":
+  if mode == "disaggregated" and not continuous:
     return _BETWEEN_BATCHES.format(policy=update_policy)
+  if mode == "disaggregated":
+    return (f"weights land between batches, but the continuous stream may hold later batches' sequences then (eta "
+            f">= 2): those meet the update under rollout.update_policy={update_policy!r}: "
+            f"{UPDATE_POLICY_TEXT[update_policy]}")
   return (f"weights land between decode chunks under rollout.update_policy={update_policy!r}: "
           f"{UPDATE_POLICY_TEXT[update_policy]} (When no rollout is running they land between batches, where every "
           "policy is the same.)")
@@ -197,7 +200,8 @@ def staleness_audit(cfg: RunConfig, histograms: list[dict] | None = None, *,
   if histograms is not None and not per_step and not step_max:
     warnings.append("no staleness histograms in the run (histograms.jsonl empty or missing): nothing observed")
   return StalenessReport(mode=mode, eta=eta, enforcement=enforcement_text(mode, eta, cfg.run.land_after_chunks),
-                         in_flight=in_flight_text(mode, policy), update_policy=policy, correction=correction,
+                         in_flight=in_flight_text(mode, policy, cfg.rollout.continuous), update_policy=policy,
+                         correction=correction,
                          corrected=corrected, warnings=tuple(warnings), lag_histogram=dict(sorted(hist.items())),
                          step_max_lag=dict(sorted(step_max.items())),
                          max_observed_lag=max(step_max.values()) if step_max else None)
@@ -214,220 +218,6 @@ def check_staleness(report: StalenessReport) -> StalenessReport:
         f"versions old, outside [0, eta={report.eta}] ({len(bad)} step(s): {listed}). The loop's pacing "
         "(runtime/loop.py `produced <= version + eta`) should make this impossible: this is a bug, not a setting.")
   return report
-
-
-# ---------------------------------------------------------------- §3 overlap: interval arithmetic
-
-
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-  """Sorted, merged, disjoint intervals covering the same points."""
-  merged: list[list[float]] = []
-  for s, e in sorted(intervals):
-    if merged and s <= merged[-1][1]:
-      merged[-1][1] = max(merged[-1][1], e)
-    else:
-      merged.append([s, e])
-  return [(s, e) for s, e in merged]
-
-
-def _length(merged: Iterable[tuple[float, float]]) -> float:
-  return sum(e - s for s, e in merged)
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-  """Seconds covered by both merged interval lists (two-pointer sweep)."""
-  i = j = 0
-  total = 0.0
-  while i < len(a) and j < len(b):
-    total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-    if a[i][1] < b[j][1]:
-      i += 1
-    else:
-      j += 1
-  return total
-
-
-def _check_spans(spans: list[dict]) -> None:
-  if not spans:
-    raise ValueError("no spans: the run wrote no spans.jsonl (or it is empty), so there is no timeline to audit")
-  for i, sp in enumerate(spans):
-    missing = [k for k in ("phase", "step", "start", "end") if k not in sp]
-    if missing:
-      raise ValueError(f"span {i}: missing {missing}; expected {{phase, role, devices, step, gen_id, start, end}}")
-    if not (math.isfinite(sp["start"]) and math.isfinite(sp["end"]) and sp["end"] >= sp["start"]):
-      raise ValueError(f"span {i} ({sp['phase']}, step {sp['step']}): needs finite start <= end, got "
-                       f"[{sp['start']}, {sp['end']}]")
-
-
-def _phase_order(phases: Iterable[str]) -> list[str]:
-  return sorted(set(phases), key=lambda p: (PHASES.index(p) if p in PHASES else len(PHASES), p))
-
-
-# ---------------------------------------------------------------- §3 overlap: the report
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseStats:
-  count: int  # spans
-  steps: int  # distinct steps with this phase
-  total_s: float  # sum of span durations
-  busy_s: float  # union of the spans (<= total_s when spans of one phase overlap)
-  median_step_s: float  # median over steps of the phase's seconds in that step
-
-
-@dataclasses.dataclass(frozen=True)
-class PairOverlap:
-  a: str
-  b: str
-  overlap_s: float  # seconds during which both phases were running
-  frac_of_a: float  # overlap_s / busy_s of a
-  frac_of_b: float
-
-
-@dataclasses.dataclass(frozen=True)
-class SideIdle:
-  phases: tuple[str, ...]  # the phases counted as busy
-  devices: tuple[int, ...]
-  busy_s: float
-  idle_frac: float  # 1 - busy_s / makespan
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-  phase: str
-  predicted_s: float
-  measured_s: float | None  # the per-step median; None: the phase never ran
-  rel_err: float | None  # (measured - predicted) / predicted; None when undefined
-  flagged: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class OverlapReport:
-  """The measured timeline of a run: per-phase seconds, overlaps, idle fractions, prediction check."""
-
-  start_s: float
-  makespan_s: float  # from the first span's start to the last span's end
-  n_steps: int
-  phases: dict[str, PhaseStats]
-  pairs: tuple[PairOverlap, ...]  # every pair of phases present
-  idle: dict[str, SideIdle]  # "trainer", "rollout" (and "shared" when both sides use the same devices)
-  comparisons: tuple[Comparison, ...] = ()
-  tolerance: float = 0.2
-
-  @property
-  def overlapped(self) -> list[PairOverlap]:
-    return [p for p in self.pairs if p.overlap_s > _EPS]
-
-  @property
-  def serialised(self) -> list[tuple[str, str]]:
-    return [(p.a, p.b) for p in self.pairs if p.overlap_s <= _EPS]
-
-  @property
-  def flagged(self) -> list[str]:
-    return [c.phase for c in self.comparisons if c.flagged]
-
-  def overlap(self, a: str, b: str) -> PairOverlap:
-    for p in self.pairs:
-      if {p.a, p.b} == {a, b}:
-        return p if p.a == a else PairOverlap(a, b, p.overlap_s, p.frac_of_b, p.frac_of_a)
-    raise KeyError(f"no pair ({a}, {b}) in the timeline; phases present: {list(self.phases)}")
-
-  def to_dict(self) -> dict[str, Any]:
-    d = dataclasses.asdict(self)
-    d["pairs"] = [dataclasses.asdict(p) for p in self.pairs]
-    d["comparisons"] = [dataclasses.asdict(c) for c in self.comparisons]
-    d["overlapped"] = [[p.a, p.b] for p in self.overlapped]
-    d["serialised"] = [list(p) for p in self.serialised]
-    d["flagged"] = self.flagged
-    return d
-
-  def to_markdown(self) -> str:
-    pred = {c.phase: c for c in self.comparisons}
-    lines = [f"### Timeline: {self.makespan_s:.3f} s over {self.n_steps} steps", "",
-             "| phase | spans | total s | median s/step | predicted s/step | off |", "|---|---:|---:|---:|---:|---|"]
-    for name, st in self.phases.items():
-      c = pred.get(name)
-      off = "" if c is None or c.rel_err is None else f"{c.rel_err:+.0%}" + (" **FLAG**" if c.flagged else "")
-      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {st.median_step_s:.3f} | "
-                   f"{'' if c is None else f'{c.predicted_s:.3f}'} | {off} |")
-    for c in self.comparisons:
-      if c.measured_s is None:
-        lines.append(f"| {c.phase} | 0 | | | {c.predicted_s:.3f} | not measured **FLAG** |")
-    lines += ["", "| overlap | seconds | of first | of second |", "|---|---:|---:|---:|"]
-    lines += [f"| {p.a} / {p.b} | {p.overlap_s:.3f} | {p.frac_of_a:.0%} | {p.frac_of_b:.0%} |" for p in self.overlapped]
-    lines += ["", f"Serialised: {', '.join(f'{a}/{b}' for a, b in self.serialised) or 'none'}", "",
-              "| side | busy s | idle |", "|---|---:|---:|"]
-    lines += [f"| {side} | {s.busy_s:.3f} | {s.idle_frac:.0%} |" for side, s in self.idle.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _phase_stats(spans: list[dict]) -> dict[str, PhaseStats]:
-  out = {}
-  for phase in _phase_order(sp["phase"] for sp in spans):
-    mine = [sp for sp in spans if sp["phase"] == phase]
-    per_step: dict[int, float] = {}
-    for sp in mine:
-      per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"]
-    out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
-                            busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
-                            median_step_s=statistics.median(per_step.values()))
-  return out
-
-
-def _busy(spans: list[dict], phases: Iterable[str]) -> list[tuple[float, float]]:
-  phases = set(phases)
-  return _union((sp["start"], sp["end"]) for sp in spans if sp["phase"] in phases)
-
-
-def _side(spans: list[dict], phases: tuple[str, ...], device_phase: str, makespan: float) -> SideIdle:
-  busy = _length(_busy(spans, phases))
-  devices = sorted({int(d) for sp in spans if sp["phase"] == device_phase for d in sp.get("devices", ())})
-  return SideIdle(phases=phases, devices=tuple(devices), busy_s=busy,
-                  idle_frac=1.0 - busy / makespan if makespan > 0 else 0.0)
-
-
-def _compare(phases: dict[str, PhaseStats], predicted: Mapping[str, float], tolerance: float) -> tuple[Comparison, ...]:
-  out = []
-  for phase, want in predicted.items():
-    if not (isinstance(want, int | float) and math.isfinite(want) and want >= 0):
-      raise ValueError(f"predicted[{phase!r}]={want!r}: expected finite seconds per step >= 0")
-    got = phases[phase].median_step_s if phase in phases else None
-    if got is None:
-      out.append(Comparison(phase, float(want), None, None, True))
-    elif want == 0:
-      out.append(Comparison(phase, 0.0, got, None, got > _EPS))
-    else:
-      rel = (got - want) / want
-      out.append(Comparison(phase, float(want), got, rel, abs(rel) > tolerance))
-  return tuple(out)
-
-
-def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, tolerance: float = 0.2
-                  ) -> OverlapReport:
-  """Audits a run's timeline (spans.jsonl records). `predicted`: phase -> predicted seconds per step, compared with
-  the measured per-step medians; a phase more than `tolerance` (relative) off is flagged, as is one never measured.
-
-  Idle fractions are over the makespan: the trainer's devices are busy during train and sync spans, the rollout's
-  during rollout, eval and sync spans (reward spans run on the host and count for neither)."""
-  if not tolerance >= 0:
-    raise ValueError(f"tolerance={tolerance}: expected a relative error >= 0 (0.2 = 20%)")
-  _check_spans(spans)
-  start = min(sp["start"] for sp in spans)
-  makespan = max(sp["end"] for sp in spans) - start
-  phases = _phase_stats(spans)
-  unions = {p: _busy(spans, (p,)) for p in phases}
-  pairs = []
-  for a, b in itertools.combinations(phases, 2):
-    both = _intersection(unions[a], unions[b])
-    pairs.append(PairOverlap(a, b, both, both / phases[a].busy_s if phases[a].busy_s else 0.0,
-                             both / phases[b].busy_s if phases[b].busy_s else 0.0))
-  idle = {"trainer": _side(spans, TRAINER_PHASES, "train", makespan),
-          "rollout": _side(spans, ROLLOUT_PHASES, "rollout", makespan)}
-  if idle["trainer"].devices and idle["trainer"].devices == idle["rollout"].devices:  # colocated: one device set
-    idle["shared"] = _side(spans, tuple(dict.fromkeys(TRAINER_PHASES + ROLLOUT_PHASES)), "train", makespan)
-  steps = {sp["step"] for sp in spans if sp["phase"] == "train"} or {sp["step"] for sp in spans}
-  return OverlapReport(start_s=start, makespan_s=makespan, n_steps=len(steps), phases=phases, pairs=tuple(pairs),
-                       idle=idle, comparisons=_compare(phases, predicted or {}, tolerance), tolerance=tolerance)
 
 
 # ---------------------------------------------------------------- a run's files
