@@ -317,3 +317,12 @@ def test_model_as_the_main_reward_is_validated_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="sft_target_accuracy"):  # the demo's warm-up stops on a verifier
     experiment.build(from_config_dict(c), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run"), "the config error must come before anything is written"
+
+
+def test_slots_and_pages_must_split_over_the_rollout_data_axis():
+  """Raised at config time, before any device work (the engine would raise only once built)."""
+  for key, value in (("n_slots", 15), ("n_pages", 63)):
+    c = load_config("grpo_task", "tiny", **{f"rollout.{key}": value})
+    c.topology = TOPO["disaggregated"]
+    with pytest.raises(ValueError, match=f"rollout.{key}={value} must be a multiple of the rollout mesh's data"):
+      from_config_dict(c)

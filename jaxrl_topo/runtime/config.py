@@ -267,6 +267,11 @@ class RunConfig:
                        f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
     if self.reward.dynamic_sampling and self.rl.group_size < 2:
       raise ValueError("reward.dynamic_sampling drops groups without reward variance: rl.group_size must be >= 2")
+    data = dict(self.topology.rollout_axes).get("data", 1)
+    for name in ("n_slots", "n_pages"):  # the engine's slots and KV pages split evenly over the data shards
+      if getattr(self.rollout, name) % data:
+        raise ValueError(f"rollout.{name}={getattr(self.rollout, name)} must be a multiple of the rollout mesh's "
+                         f"data axis ({data}): each data shard owns an equal share")
     budget, row = self.train.max_tokens_per_row, self.data.max_prompt_len + self.rollout.max_new_tokens
     if budget and budget < row:
       raise ValueError(f"train.max_tokens_per_row={budget} < data.max_prompt_len + rollout.max_new_tokens = {row}: "
