@@ -123,6 +123,10 @@ class LoopHooks:
   should_eval: Callable[[int], bool] = lambda step: False
   on_produced: Callable[[int], None] = lambda step: None  # a rollout batch is ready
   on_span: Callable[[dict], None] = lambda span: None  # timeline entries (review/ audits them)
+  # ("rollout", k) before a batch-mode rollout of batch k, ("train", k) before step k goes to the trainer:
+  # a co-execution group (jaxrl_topo/mux/) waits there for its turn on the pool and warm-loads the job's state.
+  on_phase_start: Callable[[str, int], None] = lambda phase, step: None
+  on_chunk: Callable[[RolloutEngine], None] = lambda engine: None  # between decode chunks (mux: tail migration)
 
 
 def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int) -> dict:
@@ -160,6 +164,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
 
   def dispatch(traj: Trajectories) -> _InFlight:
     nonlocal checked
+    hooks.on_phase_start("train", traj.step)
     batch, layout = make_batch(exp, traj, version)
     traj.info.update(layout)
     if not checked:
@@ -226,6 +231,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   def tick(engine: RolloutEngine) -> None:  # between decode chunks
     nonlocal pending
     chunks.chunk()
+    hooks.on_chunk(engine)
     if pending is not None:
       pending.chunks += 1
       due = pending.chunks >= cfg.run.land_after_chunks if deterministic else pending.watch.done.is_set()
@@ -251,6 +257,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
           traj = feed.take(produced)
         else:
           chunks.reset()
+          hooks.on_phase_start("rollout", produced)
           traj = rollout(exp, produced, tick, hooks.on_span)
         ready.append(traj)
         hooks.on_produced(produced)

@@ -1,0 +1,1 @@
+"""Phase-level multiplexing of several RL jobs on one rollout pool and one train pool (after RollMux)."""

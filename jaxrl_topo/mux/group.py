@@ -1,0 +1,236 @@
+"""A co-execution group: N RL jobs share one rollout pool and one train pool, phase by phase (RollMux).
+
+Each job is an ordinary run config (its own workdir, model, data, seed, algorithm) built by
+`runtime/experiment.build` and driven by the ordinary loop (`runtime/loop.train_loop`) in disaggregated
+mode with eta = 0: strictly on-policy, its rollout k uses its weights k. The group adds three things
+through the loop's hooks, nothing else:
+
+  turns        before each phase the job waits for its turn on the pool (mux/pools.py RoundRobin: one
+               rollout and one train phase per job per cycle, fixed cyclic order), so while job A
+               trains, job B rolls out
+  warm state   off a pool, a job's train state / rollout weights live in host memory (mux/warm.py); a
+               phase starts by loading them onto the pool and ends by parking them again; a finished
+               train step writes its weights straight into the job's host-side rollout copy (HostSync)
+  spans        every phase is a span carrying the job id (group workdir: mux_spans.jsonl)
+
+Each job runs in a thread of its own (its controller); the pools serialise their phases. A job that
+raises is retired from both pools (the others go on) and reported with its id. Since every job
+computes exactly what its solo on-policy run computes (same programs, same keys, same order of its
+own steps), its metrics equal that run's bit for bit, timing metrics aside (tests/test_mux.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+import time
+import traceback
+
+import jax
+from absl import logging
+
+from jaxrl_topo.mux import warm
+from jaxrl_topo.mux.migrate import TailMigration
+from jaxrl_topo.mux.pools import RoundRobin
+from jaxrl_topo.runtime import experiment as experiment_lib
+from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.runtime.rollout_side import _devices
+
+MUX_SPANS = "mux_spans.jsonl"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MuxConfig:
+  host_memory_gb: float = 64.0  # the group's host-resident state (every member, off its pools) must fit
+  migrate_at: float = 0.8  # long-tail migration once this fraction of a rollout's sequences ended (1.0: off)
+
+  def __post_init__(self):
+    if not self.host_memory_gb > 0:
+      raise ValueError(f"mux.host_memory_gb={self.host_memory_gb} must be > 0")
+    if not 0 < self.migrate_at <= 1:
+      raise ValueError(f"mux.migrate_at={self.migrate_at} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+  job_id: str
+  cfg: RunConfig
+  workdir: str
+
+
+def on_policy(cfg: RunConfig) -> RunConfig:
+  """The job as a group runs it: disaggregated, eta = 0 (every rollout k under weights k)."""
+  topo = dataclasses.replace(cfg.topology, mode="disaggregated")
+  return dataclasses.replace(cfg, topology=topo, run=dataclasses.replace(cfg.run, max_staleness=0))
+
+
+@dataclasses.dataclass
+class _Job:
+  spec: JobSpec
+  exp: experiment_lib.Experiment | None = None
+  metrics: list[dict] = dataclasses.field(default_factory=list)
+  error: str | None = None
+  compiled: dict = dataclasses.field(default_factory=dict)  # program -> cache size after the first cycle
+
+
+def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
+  """Cache sizes of a job's jitted programs (a recompile on a warm switch would grow one)."""
+  from jaxrl_topo.rollout import device
+
+  fns = {"train_step": exp.step_fn, "logprobs": exp.logprobs_fn, "prefill": device.prefill,
+         "generate": device.generate, "patch": device.patch}
+  return {k: f._cache_size() for k, f in fns.items() if f is not None and hasattr(f, "_cache_size")}
+
+
+class Group:
+  """Build with `Group(specs, mux_cfg, workdir)`, then `run()` -> {job id: summary or error}."""
+
+  def __init__(self, specs: list[JobSpec], mux: MuxConfig, workdir: str):
+    ids = [s.job_id for s in specs]
+    if len(set(ids)) != len(ids) or not ids:
+      raise ValueError(f"mux: job ids must be distinct and non-empty, got {ids}")
+    self.mux, self.workdir = mux, workdir
+    self.jobs = {s.job_id: _Job(dataclasses.replace(s, cfg=on_policy(s.cfg))) for s in specs}
+    self.rollout_pool = RoundRobin("rollout", ids)
+    self.train_pool = RoundRobin("train", ids)
+    self.spans: list[dict] = []
+    self._lock = threading.Lock()
+    self._t0 = time.perf_counter()
+    self.pools: dict[str, list[int]] = {}
+
+  # ------------------------------------------------------------ admission
+
+  def build(self) -> None:
+    """Builds every job (a job that fails to build is reported and left out), checks that they share the
+    same two disjoint pools and that their host-resident state fits, then parks every job's state."""
+    for jid, job in self.jobs.items():
+      try:
+        job.exp = experiment_lib.build(job.spec.cfg, job.spec.workdir, warmup=True)
+      except Exception:  # noqa: BLE001  (isolation: reported with the job id)
+        self._fail(jid, traceback.format_exc())
+    built = [j for j in self.jobs.values() if j.exp is not None]
+    for job in built:
+      pools = {"train": _devices(job.exp.topology.trainer), "rollout": _devices(job.exp.topology.rollout)}
+      if not self.pools:
+        self.pools = pools
+      elif pools != self.pools:
+        raise ValueError(f"mux: job {job.spec.job_id} uses pools {pools}, the group {self.pools}: every job of a "
+                         "group needs the same topology (set --config.topology.* for all jobs)")
+    warm.check_residency([warm.Residency(j.spec.job_id, warm.tree_bytes(j.exp.state),
+                                         warm.tree_bytes(j.exp.engine.params)) for j in built], self.mux.host_memory_gb)
+    for job in built:
+      exp = job.exp
+      exp.sync = warm.HostSync(exp.sync)
+      exp.state = warm.park(exp.state)
+      exp.engine.params = warm.park(exp.engine.params)
+
+  def _fail(self, jid: str, tb: str) -> None:
+    self.jobs[jid].error = tb
+    self.rollout_pool.retire(jid)
+    self.train_pool.retire(jid)
+    logging.error("mux: job %s failed; the group goes on:\n%s", jid, tb)
+
+  # ------------------------------------------------------------ phases
+
+  def _span(self, jid: str, pool: str, step: int, start: float, end: float, **extra) -> None:
+    entry = {"job": jid, "pool": pool, "phase": pool, "step": step, "start": start - self._t0,
+             "end": end - self._t0, "devices": self.pools.get(pool, []), **extra}
+    with self._lock:
+      self.spans.append(entry)
+
+  def _hooks(self, job: _Job, extra: loop_lib.LoopHooks) -> loop_lib.LoopHooks:
+    jid, exp = job.spec.job_id, job.exp
+    held: dict[str, float] = {}
+    tail = TailMigration(exp, self.rollout_pool, jid, self.mux.migrate_at)
+
+    def on_phase_start(phase: str, step: int) -> None:
+      pool = self.rollout_pool if phase == "rollout" else self.train_pool
+      pool.acquire(jid)
+      t = time.perf_counter()
+      if phase == "rollout":
+        exp.engine.params = warm.unpark(exp.engine.params)
+        tail.arm()
+      else:
+        exp.state = warm.unpark(exp.state)
+      held[phase] = t
+      held[phase + "_load"] = time.perf_counter() - t
+      extra.on_phase_start(phase, step)
+
+    def on_produced(step: int) -> None:
+      t = time.perf_counter()
+      exp.engine.release_kv()
+      exp.engine.params = warm.park(exp.engine.params)
+      end = time.perf_counter()
+      self.rollout_pool.release(jid)
+      self._span(jid, "rollout", step, held["rollout"], end, load_s=held["rollout_load"], park_s=end - t,
+                 migrated_at=tail.migrated_at - self._t0 if tail.migrated_at else None)
+      extra.on_produced(step)
+
+    def on_trained(step: int, traj) -> None:
+      extra.on_trained(step, traj)
+      t = time.perf_counter()
+      exp.state = warm.park(exp.state)
+      end = time.perf_counter()
+      self.train_pool.release(jid)
+      self._span(jid, "train", step, held["train"], end, load_s=held["train_load"], park_s=end - t)
+      if not job.compiled:
+        job.compiled = compile_counts(exp)
+
+    def on_step(step: int, m: dict) -> None:
+      job.metrics.append({k: v for k, v in m.items() if not k.startswith("_")} | {"step": step})
+      extra.on_step(step, m)
+
+    def on_chunk(engine) -> None:
+      tail.on_chunk(engine)
+      extra.on_chunk(engine)
+
+    return dataclasses.replace(extra, on_phase_start=on_phase_start, on_produced=on_produced, on_trained=on_trained,
+                               on_step=on_step, on_chunk=on_chunk, should_eval=lambda step: False)
+
+  def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
+    jid, cfg = job.spec.job_id, job.spec.cfg
+    try:
+      ctx = (contextlib.nullcontext() if cfg.model.matmul_precision == "default"
+             else jax.default_matmul_precision(cfg.model.matmul_precision))
+      with ctx:
+        loop_lib.train_loop(job.exp, hooks=self._hooks(job, hooks))
+    except Exception:  # noqa: BLE001  (isolation: reported with the job id)
+      self._fail(jid, traceback.format_exc())
+    finally:
+      self.rollout_pool.retire(jid)
+      self.train_pool.retire(jid)
+
+  def run(self, hooks_for=None) -> dict[str, dict]:
+    """Runs every admitted job to its `run.steps`; returns {job id: {"ok", "steps", "error", ...}}.
+    `hooks_for(job_id, exp) -> LoopHooks`: a job's own sinks (metrics writer, spans file); the group's
+    turn and warm-state hooks wrap them."""
+    if not any(j.exp for j in self.jobs.values()):
+      self.build()
+    self._t0 = time.perf_counter()
+    threads = []
+    for jid, job in self.jobs.items():
+      if job.exp is None:
+        continue
+      hooks = hooks_for(jid, job.exp) if hooks_for else loop_lib.LoopHooks()
+      t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
+      threads.append(t)
+      t.start()
+    for t in threads:
+      t.join()
+    wall = time.perf_counter() - self._t0
+    self._write_spans()
+    out = {}
+    for jid, job in self.jobs.items():
+      out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall}
+      if job.exp is not None:
+        job.exp.close()
+    return out
+
+  def _write_spans(self) -> None:
+    os.makedirs(self.workdir, exist_ok=True)
+    with open(os.path.join(self.workdir, MUX_SPANS), "w") as f:
+      f.writelines(json.dumps(s) + "\n" for s in sorted(self.spans, key=lambda s: s["start"]))

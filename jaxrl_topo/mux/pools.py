@@ -1,0 +1,71 @@
+"""Intra-group round-robin: each pool runs one job's phase at a time, in a fixed cyclic order.
+
+A `RoundRobin` pool holds the group's active jobs in their cyclic order and whose turn it is. A job's
+phase waits in `acquire(job)` until the turn is its own, runs, and `release(job)` hands the pool to the
+next job of the cycle. One rollout and one train phase per job per cycle, so with both pools in the
+same order the train pool runs job A's step while the rollout pool runs job B's batch. A job that ends
+(its steps are done, or it failed) `retire`s: it leaves the cycle and the pool passes over it, so a
+failed job never stalls the others.
+
+`migrate(job)` (long-tail migration) lets the next job start while `job` still finishes its stragglers:
+the turn moves on, and `job`'s `release` then only drops its hold.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class RoundRobin:
+  def __init__(self, name: str, jobs: list[str]):
+    if len(set(jobs)) != len(jobs) or not jobs:
+      raise ValueError(f"pool {name}: job ids must be distinct and non-empty, got {jobs}")
+    self.name = name
+    self.order = list(jobs)
+    self.turn = 0  # index into order of the job whose phase runs next
+    self.holders: set[str] = set()  # jobs with a phase on the pool now (two while one migrates its tail)
+    self.history: list[str] = []  # jobs in the order their phases were granted
+    self._cv = threading.Condition()
+
+  def _current(self) -> str | None:
+    return self.order[self.turn % len(self.order)] if self.order else None
+
+  def acquire(self, job: str) -> None:
+    with self._cv:
+      if job not in self.order:
+        raise RuntimeError(f"pool {self.name}: {job} is not in the group (retired?)")
+      self._cv.wait_for(lambda: self._current() == job and job not in self.holders)
+      self.holders.add(job)
+      self.history.append(job)
+
+  def _advance(self, job: str) -> None:
+    if self._current() == job:
+      self.turn = (self.turn + 1) % len(self.order)
+
+  def migrate(self, job: str) -> None:
+    """`job` keeps running its stragglers; the next job of the cycle may start now."""
+    with self._cv:
+      self._advance(job)
+      self._cv.notify_all()
+
+  def release(self, job: str) -> None:
+    with self._cv:
+      if job not in self.holders:
+        raise RuntimeError(f"pool {self.name}: {job} releases a pool it does not hold")
+      self.holders.discard(job)
+      self._advance(job)
+      self._cv.notify_all()
+
+  def retire(self, job: str) -> None:
+    """`job` leaves the cycle (done or failed); a phase it holds is given up."""
+    with self._cv:
+      self.holders.discard(job)
+      if job in self.order:
+        i = self.order.index(job)
+        current = self._current()
+        self.order.pop(i)
+        if self.order:
+          self.turn = self.order.index(current) if current != job else i % len(self.order)
+        else:
+          self.turn = 0
+      self._cv.notify_all()

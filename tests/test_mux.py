@@ -1,0 +1,196 @@
+"""Phase-level multiplexing (jaxrl_topo/mux/): jobs of a co-execution group take turns on one rollout and one
+train pool (8 fake CPU devices: trainer fsdp=4 on 0-3, rollout data=2 x tensor=2 on 4-7), keep their state in
+host memory off the pools, and each job's metrics equal its solo on-policy disaggregated run's bit for bit.
+
+Timing-dependent metrics are excluded from the comparison by `runtime.metrics.comparable` (every "time/..."
+and "perf/..." key: seconds, tokens/s, steps/h, overlap tokens, landing flags); everything else (rewards,
+lengths, losses, gradients' norms, log-prob gaps, sync bytes, prompt hashes, ...) must match exactly."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_topo.mux import warm
+from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig, compile_counts, on_policy
+from jaxrl_topo.mux.pools import RoundRobin
+from jaxrl_topo.runtime import experiment, loop
+from jaxrl_topo.runtime.config import config_from_file, from_config_dict
+from jaxrl_topo.runtime.metrics import comparable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+TOPO = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2})
+BASE = {"run.steps": STEPS, "run.eval_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
+        "run.sft_steps": 10, "run.sft_target_accuracy": 0.0, "data.batch_size": 4, "rl.group_size": 4,
+        "rollout.n_slots": 16, "run.deterministic": True,
+        # soft overlong shaping: rewards vary with the length, so advantages and gradients are not zero
+        "reward.overlong_buffer": 3, "reward.overlong_penalty": 0.5}
+# Three jobs: different algorithms (GRPO, DAPO with dynamic sampling), tasks, seeds and model sizes.
+def _task(name: str) -> dict:
+  return {"data.source": name, "data.task": {"name": name, "seed": 0, "n_train": 200, "n_heldout": 20,
+                                             "max_operand": 20}}
+
+
+JOBS = {"a": ("grpo_task", {}),
+        "b": ("dapo", {**_task("arithmetic"), "run.seed": 3}),
+        "c": ("grpo_task", {**_task("countdown"), "run.seed": 5, "model.overrides": {"n_layers": 3, "d_ff": 192}})}
+
+
+def job_cfg(jid: str, **extra):
+  name, overrides = JOBS[jid]
+  c = config_from_file(os.path.join(ROOT, "configs", f"{name}.py"), "tiny")
+  for dotted, value in {**BASE, **overrides, **extra}.items():
+    node = c
+    *path, last = dotted.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  c.topology = TOPO
+  return from_config_dict(c)
+
+
+def _records(ms: list[dict]) -> list[dict]:
+  return comparable([{k: v for k, v in m.items() if not k.startswith("_")} | {"step": i} for i, m in enumerate(ms)])
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+  """Each job alone: the ordinary loop, disaggregated, eta = 0 (run on first use)."""
+  runs = {}
+
+  def get(jid: str):
+    if jid not in runs:
+      exp = experiment.build(on_policy(job_cfg(jid)), str(tmp_path_factory.mktemp(f"solo_{jid}")))
+      ms = []
+      try:
+        loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: ms.append(m)))
+      finally:
+        exp.close()
+      runs[jid] = _records(ms)
+    return runs[jid]
+  return get
+
+
+def _group(tmp_path, jids, migrate_at=0.5, hooks_for=None) -> tuple[Group, dict]:
+  group = Group([JobSpec(j, job_cfg(j), str(tmp_path / j)) for j in jids], MuxConfig(migrate_at=migrate_at),
+                str(tmp_path))
+  return group, group.run(hooks_for)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+  return _group(tmp_path_factory.mktemp("pair"), ["a", "b"])
+
+
+def test_two_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(pair, solo):
+  group, out = pair
+  assert all(r["ok"] for r in out.values()), out
+  for jid in ("a", "b"):
+    got, want = comparable(group.jobs[jid].metrics), solo(jid)
+    assert [r["step"] for r in got] == list(range(STEPS))
+    assert got == want, f"job {jid}: multiplexed metrics differ from its solo run"
+  # Not a vacuous comparison: the jobs learn (non-zero gradients), and they differ from each other.
+  assert all(r["grad_norm"] > 0 for jid in "ab" for r in solo(jid))
+  assert [r["data/prompt_hash"] for r in solo("a")] != [r["data/prompt_hash"] for r in solo("b")]
+  # Long-tail migration was on (mux.migrate_at=0.5) and moved the turn in every rollout phase.
+  assert all(s["migrated_at"] is not None for s in group.spans if s["pool"] == "rollout")
+
+
+def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(pair):
+  group, _ = pair
+  cycle = ["a", "b"] * STEPS
+  assert group.rollout_pool.history == cycle and group.train_pool.history == cycle
+  spans = {(s["job"], s["pool"], s["step"]): s for s in group.spans}
+  assert len(spans) == 2 * 2 * STEPS and all(s["devices"] for s in group.spans)
+  # One phase per pool at a time, except a migrated rollout's tail, which may overlap the next job's rollout.
+  trains = sorted((s for s in group.spans if s["pool"] == "train"), key=lambda s: s["start"])
+  assert all(x["end"] <= y["start"] for x, y in zip(trains, trains[1:], strict=False))
+  # Job a's train k starts after its rollout k ended (on-policy), and job b's rollout k runs meanwhile.
+  for k in range(STEPS):
+    assert spans[("a", "train", k)]["start"] >= spans[("a", "rollout", k)]["end"]
+    assert spans[("b", "rollout", k)]["start"] < spans[("a", "train", k)]["end"]
+
+
+def test_warm_switches_park_state_in_host_memory_and_never_recompile(pair):
+  group, _ = pair
+  for job in group.jobs.values():
+    assert job.compiled, "no compile counts were taken after the first cycle"
+    assert compile_counts(job.exp) == job.compiled, "a warm switch recompiled a program"
+    assert compile_counts(job.exp)["train_step"] == 1
+    for parked in (job.exp.state, job.exp.engine.params):  # both off their pools after the run
+      assert isinstance(parked, warm.Parked)
+      kinds = {getattr(getattr(x, "sharding", None), "memory_kind", "numpy") for x in jax.tree.leaves(parked.host)}
+      assert kinds == {warm.HOST_KIND}, kinds
+  assert all(s["load_s"] >= 0 and s["park_s"] >= 0 for s in group.spans)
+
+
+@pytest.mark.slow
+def test_three_jobs_of_different_tasks_and_sizes_equal_their_solo_runs(tmp_path, solo):
+  group, out = _group(tmp_path, ["a", "b", "c"])
+  assert all(r["ok"] for r in out.values()), out
+  sizes = {j: warm.tree_bytes(group.jobs[j].exp.engine.params.host) for j in "abc"}
+  assert sizes["c"] > sizes["a"], sizes  # a bigger model
+  for jid in "abc":
+    assert comparable(group.jobs[jid].metrics) == solo(jid), f"job {jid}"
+  assert group.train_pool.history == ["a", "b", "c"] * STEPS
+
+
+def test_a_failing_job_is_isolated_and_reported_with_its_id(tmp_path):
+  def hooks_for(jid, exp):
+    def on_step(step, m):
+      if jid == "b" and step == 1:
+        raise RuntimeError("job b breaks")
+    return loop.LoopHooks(on_step=on_step)
+
+  group, out = _group(tmp_path, ["a", "b"], hooks_for=hooks_for)
+  assert out["a"]["ok"] and out["a"]["steps"] == STEPS
+  assert not out["b"]["ok"] and "job b breaks" in out["b"]["error"]
+  assert group.train_pool.history.count("a") == STEPS
+
+
+def test_residency_beyond_host_memory_is_refused_naming_jobs_and_bytes(tmp_path):
+  group = Group([JobSpec(j, job_cfg(j, **{"run.sft_steps": 0}), str(tmp_path / j)) for j in "ab"],
+                MuxConfig(host_memory_gb=1e-4), str(tmp_path))
+  with pytest.raises(ValueError, match=r"mux\.host_memory_gb") as e:
+    group.build()
+  msg = str(e.value)
+  assert "a: " in msg and "b: " in msg and "train state" in msg
+  a = group.jobs["a"].exp
+  assert f"{warm.tree_bytes(a.state) + warm.tree_bytes(a.engine.params):,} B" in msg
+  for j in group.jobs.values():
+    j.exp.close()
+
+
+def test_round_robin_pool_passes_over_retired_jobs_and_migrated_tails():
+  pool = RoundRobin("rollout", ["a", "b", "c"])
+  pool.acquire("a")
+  pool.migrate("a")  # a's stragglers go on; b may start
+  pool.acquire("b")
+  assert pool.holders == {"a", "b"}
+  pool.release("a")  # does not move the turn again
+  assert pool._current() == "b"
+  pool.release("b")
+  pool.retire("c")  # c failed: the turn goes back to a
+  pool.acquire("a")
+  pool.release("a")
+  got = []
+  t = threading.Thread(target=lambda: (pool.acquire("b"), got.append("b"), pool.release("b")))
+  t.start()
+  t.join(5)
+  assert got == ["b"] and pool.history == ["a", "b", "a", "b"]
+
+
+def test_park_and_unpark_round_trip_exactly():
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+  want = np.asarray(x)
+  parked = warm.park({"w": x})
+  assert x.is_deleted() and parked.host["w"].sharding.memory_kind == warm.HOST_KIND
+  back = warm.unpark(parked)["w"]
+  assert back.sharding == x.sharding and np.array_equal(np.asarray(back), want)
