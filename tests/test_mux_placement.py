@@ -1,0 +1,147 @@
+"""Placement across co-execution groups (jaxrl_topo/mux/placement.py) and the trace replay (mux/trace.py):
+hand-worked round-robin cycles, the least-added-cost choice, SLO / residency / saturation rejections, the
+trace file, and the replayed costs. Pure numpy: no devices."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrl_topo.mux import placement as pl
+from jaxrl_topo.mux import trace as tr
+
+FREE = pl.Cluster(switch_s=0.0)  # no switch cost: the hand-worked numbers stay round
+
+
+def job(name, r, t, s=0.0, **kw):
+  return pl.JobProfile(job=name, rollout_s=r, train_s=t, sync_s=s, **kw)
+
+
+def test_one_job_alone_runs_its_solo_iteration_and_pays_no_switch():
+  assert pl.cycle_periods([3.0], [2.0], [0.5], [(0,)], w=7.0).tolist() == [5.5]
+
+
+def test_complementary_pair_shares_both_pools_without_slowing_down():
+  # A rolls out while B trains and the other way round: sum R = sum T = max(R + T) = 4 (the theorem's
+  # non-overloaded case), so each runs at its solo period 4.
+  assert pl.cycle_periods([3.0, 1.0], [1.0, 3.0], [0.0, 0.0], [(0,), (0,)], w=0.0).tolist() == [4.0, 4.0]
+
+
+def test_two_rollout_heavy_jobs_on_one_node_are_bound_by_its_rollouts():
+  # sum R = 6 > solo 4: the rollout node serialises them, every period is 6 (slowdown 1.5)
+  assert pl.cycle_periods([3.0, 3.0], [1.0, 1.0], [0.0, 0.0], [(0,), (0,)], w=0.0).tolist() == [6.0, 6.0]
+  # on their own rollout nodes only the train pool is shared: sum T = 2 < 4, no slowdown
+  assert pl.cycle_periods([3.0, 3.0], [1.0, 1.0], [0.0, 0.0], [(0,), (1,)], w=0.0).tolist() == [4.0, 4.0]
+
+
+def test_switch_cost_enters_the_bound():
+  # each phase pays w = 0.5 in a group: max(sum(R + w), sum(T + w), max(R + T + 2w)) = max(5, 5, 5) = 5
+  assert pl.cycle_periods([3.0, 1.0], [1.0, 3.0], [0.0, 0.0], [(0,), (0,)], w=0.5).tolist() == [5.0, 5.0]
+
+
+def test_non_overloaded_random_groups_run_at_the_longest_solo_iteration():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    J = int(rng.integers(2, 5))
+    r, t = rng.uniform(0.5, 3.0, J), rng.uniform(0.5, 3.0, J)
+    cycle = float(np.max(r + t))
+    if r.sum() > cycle or t.sum() > cycle:
+      continue
+    got = pl.cycle_periods(r.tolist(), t.tolist(), [0.0] * J, [(0,)] * J, w=0.0)
+    np.testing.assert_allclose(got, cycle, rtol=1e-12)
+
+
+def test_a_complementary_job_is_packed_at_no_added_cost():
+  placer = pl.Placer(FREE)
+  first = placer.place(job("a", 3.0, 1.0, slo=1.0))
+  second = placer.place(job("b", 1.0, 3.0, slo=1.0))
+  assert (first.kind, first.added_per_h) == ("new", 3.0)  # 1 rollout node at $1 + 1 train node at $2
+  assert (second.kind, second.group, second.added_per_h) == ("pack", 0, 0.0)
+  assert placer.cost_per_h() == 3.0
+
+
+def test_a_tight_slo_turns_packing_into_rollout_scaling():
+  placer = pl.Placer(FREE)
+  placer.place(job("a", 3.0, 1.0, slo=1.0))
+  d = placer.place(job("b", 3.0, 1.0, slo=1.2))  # packed: x1.5 > 1.2; its own rollout node: x1.0
+  assert (d.kind, d.added_per_h) == ("scale", 1.0)
+  loose = pl.Placer(FREE)
+  loose.place(job("a", 3.0, 1.0, slo=2.0))
+  assert loose.place(job("b", 3.0, 1.0, slo=2.0)).kind == "pack"
+
+
+def test_a_member_whose_slo_would_break_keeps_the_newcomer_out():
+  placer = pl.Placer(FREE)
+  placer.place(job("a", 1.0, 3.0, slo=1.0))
+  d = placer.place(job("b", 1.0, 3.0, slo=5.0))  # b tolerates it; a (train-bound, sum T = 6 > 4) does not
+  assert d.kind == "new"
+
+
+def test_host_residency_is_checked_per_node():
+  tb = 2**40
+  cluster = pl.Cluster(switch_s=0.0, host_bytes_per_node=tb)
+  placer = pl.Placer(cluster)
+  placer.place(job("a", 3.0, 1.0, slo=1.0, host_bytes=tb // 2 + 1))
+  assert placer.place(job("b", 1.0, 3.0, slo=1.0, host_bytes=tb // 2)).kind == "new"  # would pack, does not fit
+  with pytest.raises(ValueError, match=r"job c: 1,099,511,627,777 B .* exceed one node's 1,099,511,627,776 B"):
+    placer.place(job("c", 1.0, 1.0, host_bytes=tb + 1))
+
+
+def test_a_saturated_group_is_skipped():
+  g = pl.GroupPlan((job("a", 1.0, 1.0), job("b", 1.0, 1.0)), 1, 1, ((0,), (0,)))
+  assert pl.saturated(g, 0.0)  # its rollout node and train pool are each busy 2 = the solo iteration
+  placer = pl.Placer(FREE)
+  placer.groups.append(g)
+  assert placer.place(job("c", 0.1, 0.1, slo=100.0)).kind == "new"
+
+
+def test_removal_gives_back_rollout_nodes_nobody_pins():
+  placer = pl.Placer(FREE)
+  placer.place(job("a", 3.0, 1.0, slo=1.0))
+  placer.place(job("b", 3.0, 1.0, slo=1.2))  # scaled: rollout nodes 0 (a) and 1 (b)
+  assert placer.cost_per_h() == 4.0
+  placer.remove("a")
+  g = placer.groups[0]
+  assert ([m.job for m in g.members], g.rollout_nodes, g.pins, placer.cost_per_h()) == (["b"], 1, ((0,),), 3.0)
+  placer.remove("b")
+  assert placer.groups == [None] and placer.cost_per_h() == 0.0
+
+
+def test_trace_file_round_trip_and_errors(tmp_path):
+  path = tmp_path / "trace.jsonl"
+  path.write_text("\n".join(json.dumps(d) for d in [
+      {"job": "a", "rollout_s": 3.0, "train_s": 1.0, "slo": 1.0, "host_gb": 1},
+      {"job": "b", "rollout_s": 1.0, "train_s": 3.0, "slo": 1.0, "arrival_s": 5.0}]) + "\n")
+  jobs = pl.load_trace(str(path))
+  assert jobs[0].host_bytes == 2**30 and jobs[1].arrival_s == 5.0
+  text = pl.plan_file(str(path), FREE)
+  assert "a: new -> group 0 (+$3.00/h)" in text and "b: pack -> group 0 (+$0.00/h)" in text
+  assert text.endswith("total $3.00/h for 2 jobs in 1 groups")
+  path.write_text(json.dumps({"job": "a", "rollout_s": 1.0, "train_s": 1.0, "rollot_nodes": 2}) + "\n")
+  with pytest.raises(ValueError, match=r"trace.jsonl:1: unknown keys \['rollot_nodes'\]"):
+    pl.load_trace(str(path))
+
+
+def test_replayed_costs_of_a_complementary_pair():
+  jobs = [job("a", 3.0, 1.0, slo=1.0, iters=900), job("b", 1.0, 3.0, slo=1.0, iters=900)]
+  mux, dis = tr.multiplexed(jobs, FREE), tr.disaggregated(jobs, FREE)
+  assert dis.jct_s == {"a": 3600.0, "b": 3600.0} and dis.cost == 6.0  # two jobs x $3/h x 1 h
+  assert mux.jct_s == {"a": 3600.0, "b": 3600.0} and mux.cost == pytest.approx(3.0)  # one group, both at solo speed
+  assert mux.slo_met == 1.0 and mux.kinds == {"pack": 1, "scale": 0, "new": 1}
+  # colocated: each on its train node, rollout at the same per-device rate: 3 + 1 s a step, $2/h each
+  assert tr.colocated(jobs, FREE).cost == pytest.approx(4.0)
+
+
+def test_a_hundred_job_trace_replays_with_every_kind_of_placement():
+  jobs = tr.synthetic_trace(tr.TraceConfig(n_jobs=120))
+  assert len(jobs) == 120 and len({j.train_nodes for j in jobs}) == 3
+  assert all(0 < j.actual_frac <= 1 for j in jobs)
+  cluster = pl.Cluster(switch_s=0.02)
+  mux, dis = tr.multiplexed(jobs, cluster), tr.disaggregated(jobs, cluster)
+  assert all(mux.kinds[k] > 0 for k in pl.KINDS), mux.kinds
+  assert sum(mux.kinds.values()) == 120 and set(mux.jct_s) == {j.job for j in jobs}
+  assert mux.cost < dis.cost
+  # a job never outruns its own rollout: at least iters x its actual rollout phase
+  assert all(mux.jct_s[j.job] >= j.iters * j.rollout_s * j.actual_frac * (1 - 1e-9) for j in jobs)
