@@ -145,3 +145,17 @@ def test_a_hundred_job_trace_replays_with_every_kind_of_placement():
   assert mux.cost < dis.cost
   # a job never outruns its own rollout: at least iters x its actual rollout phase
   assert all(mux.jct_s[j.job] >= j.iters * j.rollout_s * j.actual_frac * (1 - 1e-9) for j in jobs)
+
+
+def test_profile_from_spans_of_a_simulated_run_recovers_its_worst_case():
+  from jaxrl_topo.review import simulator
+
+  # a known run: 16 sequences of 10 tokens (sigma 0) decoded at 160 tokens/s (throughput-bound: 1 s),
+  # train 2 s, sync 0.5 s; at max tokens 40 the rollout takes 4 s and training 4x as long (8 s)
+  known = simulator.SimParams(n_devices=8, rollout_devices=4, batch_seqs=16, median_len=10.0,
+                              tokens_per_s_per_device=40.0, per_seq_tokens_per_s=1000.0, train_s=2.0,
+                              train_devices=4, sync_latency_s=0.5, sigma=0.0, eta=0)
+  spans = simulator.simulate("disaggregated", known, n_steps=6).to_span_dicts()
+  prof = tr.profile_from_spans(spans, job="x", batch_seqs=16, max_tokens=40, tokens_per_step=160.0, slo=1.5)
+  assert (prof.rollout_s, prof.train_s, prof.sync_s) == pytest.approx((4.0, 8.0, 0.5), rel=1e-3)
+  assert prof.actual_frac == pytest.approx(0.25, rel=1e-3) and prof.slo == 1.5

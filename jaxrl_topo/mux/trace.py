@@ -152,3 +152,19 @@ def multiplexed(jobs, cluster: pl.Cluster) -> Replay:
       rerate(d.group)
   met = np.mean([jct[j.job] <= j.slo * solo_jct(j) * (1 + 1e-6) for j in jobs])
   return Replay(cost, _span(jobs, jct), jct, float(met), kinds, 1e3 * float(np.mean(decide)))
+
+
+def profile_from_spans(spans, *, job: str, batch_seqs: int, max_tokens: float, tokens_per_step: float | None = None,
+                       slo: float = 1.2, host_bytes: int = 0, rollout_nodes: int = 1, train_nodes: int = 1,
+                       skip_steps: int = 1) -> pl.JobProfile:
+  """A job's admission profile from a short calibration run's spans: the simulator is calibrated on them
+  (`simulator.calibrate`), then asked for a rollout with every response at `max_tokens` (the worst case),
+  and train time is scaled from the measured tokens to max-token batches (train time ~ tokens)."""
+  p = simulator.calibrate(spans, batch_seqs=batch_seqs, tokens_per_step=tokens_per_step, skip_steps=skip_steps)
+  tps = p.tokens_per_s_per_device * p.rollout_devices
+  worst = simulator.rollout_time(np.full(batch_seqs, float(max_tokens)), tps, p.per_seq_tokens_per_s)
+  measured = simulator.rollout_time(simulator.sample_lengths(p, 1)[0], tps, p.per_seq_tokens_per_s)
+  tokens = p.batch_seqs * p.median_len * simulator.clipped_lognormal_mean_ratio(p.sigma, p.max_ratio)
+  return pl.JobProfile(job=job, rollout_s=worst, train_s=p.train_s * batch_seqs * max_tokens / tokens,
+                       sync_s=p.sync_s(), rollout_nodes=rollout_nodes, train_nodes=train_nodes, slo=slo,
+                       host_bytes=host_bytes, actual_frac=min(1.0, measured / worst))
