@@ -1,0 +1,94 @@
+"""Run several RL jobs as one co-execution group on one rollout pool and one train pool (jaxrl_topo/mux/).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python launchers/mux.py \
+      --job=configs/grpo_task.py:tiny --job=configs/dapo.py:tiny,run.seed=3 --workdir=/tmp/mux \
+      [--config.run.steps=20 ...] [--host_memory_gb=64] [--migrate_at=0.8]
+  python launchers/mux.py --plan=TRACE.jsonl          # print the placement of a trace; nothing runs
+
+Every job is an ordinary config file (`path:arg`), run in `<workdir>/<job id>` (job ids: `0-grpo_task`,
+`1-dapo`, ...) as a disaggregated, strictly on-policy run (eta = 0). `--config.a.b=v` applies to every job;
+a job's own overrides follow its config, comma-separated (`--job=configs/dapo.py:tiny,run.seed=3,rl.group_size=8`;
+a value cannot hold a comma). All jobs must carve the same pools (same topology). A job that fails is
+reported with its id; the others go on. `<workdir>` gets mux_spans.jsonl (every phase, with its job id),
+mux_summary.json (per job: ok/error and steps; per pool: busy fraction) and mux_timeline.png.
+"""
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from jaxrl_topo import cli
+from jaxrl_topo.mux.jobs import parse_job, split_overrides
+
+_JOB = flags.DEFINE_multi_string("job", [], "A job: config file[:arg][,key=value,...] (repeat per job).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Group directory: one subfolder per job, plus the group's spans.")
+_PLAN = flags.DEFINE_string("plan", None, "A trace (JSON lines of job profiles): print its placement and exit.")
+_HOST_GB = flags.DEFINE_float("host_memory_gb", 64.0, "mux.host_memory_gb: host memory for the group's parked state.")
+_MIGRATE_AT = flags.DEFINE_float("migrate_at", 0.8, "mux.migrate_at: pass the rollout turn on at this fraction done.")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _PLAN.value:
+    from jaxrl_topo.mux import placement
+
+    print(placement.plan_file(_PLAN.value))
+    return
+  if not _JOB.value or not _WORKDIR.value:
+    raise app.UsageError("give --job (one per job) and --workdir, or --plan=TRACE.jsonl")
+  from jaxrl_topo.mux import report
+  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.config import from_config_dict
+  from jaxrl_topo.runtime.metrics import MetricsWriter
+
+  workdir = _WORKDIR.value
+  specs, configs = [], {}
+  for i, spec in enumerate(_JOB.value):
+    jid, config = parse_job(spec, COMMON, i)
+    configs[jid] = config
+    specs.append(JobSpec(jid, from_config_dict(config), os.path.join(workdir, jid)))
+  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value), workdir)
+  for s in specs:
+    run.save_config(configs[s.job_id], s.workdir)
+  group.build()
+  writers = {}
+
+  def hooks_for(jid, exp):  # each job's metrics.jsonl and spans.jsonl, as a solo run writes them
+    cfg = group.jobs[jid].spec.cfg
+    writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False)
+    hooks, _ = run._hooks(cfg, exp, None, writers[jid], float("nan"), exp_dir(jid))
+    return hooks
+
+  def exp_dir(jid):
+    return group.jobs[jid].spec.workdir
+
+  results = group.run(hooks_for)
+  for w in writers.values():
+    w.close(plot=False)
+  summary = {"jobs": results}
+  if group.spans:
+    summary["busy_fraction"] = report.busy_fractions(group.spans)
+    report.plot_timeline(group.spans, os.path.join(workdir, "mux_timeline.png"))
+  with open(os.path.join(workdir, "mux_summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  for jid, r in results.items():
+    print(f"{jid}: " + (f"{r['steps']} steps" if r["ok"] else f"FAILED: {r['error'].strip().splitlines()[-1]}"))
+  if "busy_fraction" in summary:
+    print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))
+  if not any(r["ok"] for r in results.values()):
+    raise cli.UserError("every job failed")
+
+
+COMMON: list[str] = []
+
+if __name__ == "__main__":
+  try:
+    sys.argv, COMMON[:] = split_overrides(sys.argv)
+  except cli.UserError as e:
+    sys.exit(f"error: {e}")
+  cli.launch(main)
