@@ -1,6 +1,7 @@
 """Cost of a >= 100-job trace: multiplexed co-execution groups vs plain disaggregation vs colocated (issue 15 §7).
 
   python benchmarks/mux_trace.py [--spans=RUN/spans.jsonl --metrics=RUN/metrics.jsonl] [--mux_spans=G/mux_spans.jsonl]
+      [--write_trace=TRACE.jsonl]    # the trace's job profiles, for `launchers/mux.py --plan=TRACE.jsonl`
 
 Each line on stdout is one JSON record: the placement policy's cost beside the baselines', their ratios, SLO
 attainment and the placement decisions, for a few values of the assumptions (node price ratio, and the
@@ -68,10 +69,13 @@ def main() -> None:
   ap.add_argument("--batch_seqs", type=int, default=16, help="sequences per rollout of the calibration run")
   ap.add_argument("--mux_spans")
   ap.add_argument("--switch_frac", type=float, default=0.02)
+  ap.add_argument("--write_trace", help="also write the trace's job profiles here (JSON lines)")
   args = ap.parse_args()
   base, source = base_params(args.spans, args.metrics, args.batch_seqs)
   w, w_source = switch_s(args.mux_spans, base, args.switch_frac)
   jobs = tr.synthetic_trace(tr.TraceConfig(n_jobs=args.jobs, seed=args.seed), base)
+  if args.write_trace:
+    pl.dump_trace(jobs, args.write_trace)
   print(json.dumps({"base": source, "switch_s": w, "switch_source": w_source, "jobs": len(jobs),
                     "base_params": {k: v for k, v in dataclasses.asdict(base).items() if v is not None}}))
   for price in (2.0, 3.0):

@@ -159,3 +159,19 @@ def test_profile_from_spans_of_a_simulated_run_recovers_its_worst_case():
   prof = tr.profile_from_spans(spans, job="x", batch_seqs=16, max_tokens=40, tokens_per_step=160.0, slo=1.5)
   assert (prof.rollout_s, prof.train_s, prof.sync_s) == pytest.approx((4.0, 8.0, 0.5), rel=1e-3)
   assert prof.actual_frac == pytest.approx(0.25, rel=1e-3) and prof.slo == 1.5
+
+
+def test_a_synthetic_trace_round_trips_and_the_launcher_plans_it(tmp_path):
+  import subprocess
+  import sys
+
+  jobs = tr.synthetic_trace(tr.TraceConfig(n_jobs=12, seed=1))
+  path = tmp_path / "trace.jsonl"
+  pl.dump_trace(jobs, str(path))
+  assert pl.load_trace(str(path)) == jobs
+  root = __file__.rsplit("/tests/", 1)[0]
+  out = subprocess.run([sys.executable, f"{root}/launchers/mux.py", f"--plan={path}"], capture_output=True, text=True,
+                       timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout == pl.plan_file(str(path)) + "\n"
+  assert out.stdout.count(": new -> group") >= 1 and "for 12 jobs in" in out.stdout

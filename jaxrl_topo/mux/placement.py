@@ -284,6 +284,12 @@ def load_trace(path: str) -> list[JobProfile]:
   return jobs
 
 
+def dump_trace(jobs: Sequence[JobProfile], path: str) -> None:
+  """Writes `jobs` as the JSON-lines trace `load_trace` reads."""
+  with open(path, "w") as f:
+    f.writelines(json.dumps(dataclasses.asdict(j)) + "\n" for j in jobs)
+
+
 def plan(jobs: Sequence[JobProfile], cluster: Cluster) -> tuple[Placer, list[Decision]]:
   """Places `jobs` in arrival order (nobody leaves): the static plan `launchers/mux.py --plan` prints."""
   placer = Placer(cluster)
