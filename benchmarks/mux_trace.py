@@ -74,8 +74,8 @@ def main() -> None:
   base, source = base_params(args.spans, args.metrics, args.batch_seqs)
   w, w_source = switch_s(args.mux_spans, base, args.switch_frac)
   jobs = tr.synthetic_trace(tr.TraceConfig(n_jobs=args.jobs, seed=args.seed), base)
-  if args.write_trace:
-    pl.dump_trace(jobs, args.write_trace)
+  if args.write_trace:  # with the cluster of the first row below (the switch cost in the trace's time units)
+    pl.dump_trace(jobs, args.write_trace, pl.Cluster(switch_s=w))
   print(json.dumps({"base": source, "switch_s": w, "switch_source": w_source, "jobs": len(jobs),
                     "base_params": {k: v for k, v in dataclasses.asdict(base).items() if v is not None}}))
   for price in (2.0, 3.0):

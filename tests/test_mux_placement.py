@@ -167,11 +167,12 @@ def test_a_synthetic_trace_round_trips_and_the_launcher_plans_it(tmp_path):
 
   jobs = tr.synthetic_trace(tr.TraceConfig(n_jobs=12, seed=1))
   path = tmp_path / "trace.jsonl"
-  pl.dump_trace(jobs, str(path))
-  assert pl.load_trace(str(path)) == jobs
+  cluster = pl.Cluster(switch_s=0.02, check_fracs=(0.75,))
+  pl.dump_trace(jobs, str(path), cluster)
+  assert pl.read_trace(str(path)) == (jobs, cluster)
   root = __file__.rsplit("/tests/", 1)[0]
   out = subprocess.run([sys.executable, f"{root}/launchers/mux.py", f"--plan={path}"], capture_output=True, text=True,
                        timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
-  assert out.stdout == pl.plan_file(str(path)) + "\n"
+  assert out.stdout == pl.plan_file(str(path)) + "\n" == pl.format_plan(*pl.plan(jobs, cluster)) + "\n"
   assert out.stdout.count(": new -> group") >= 1 and "for 12 jobs in" in out.stdout

@@ -264,16 +264,23 @@ class Placer:
 # ------------------------------------------------------------------------------------------ trace files
 
 
-def load_trace(path: str) -> list[JobProfile]:
-  """A JSON-lines trace, one job per line: {"job", "rollout_s", "train_s", ...} (JobProfile's fields;
-  "host_gb" may stand for host_bytes). Unknown keys are an error, naming the line."""
-  fields = {f.name for f in dataclasses.fields(JobProfile)}
-  jobs = []
+def read_trace(path: str) -> tuple[list[JobProfile], Cluster | None]:
+  """A JSON-lines trace: one job per line, {"job", "rollout_s", "train_s", ...} (JobProfile's fields;
+  "host_gb" may stand for host_bytes), and optionally one {"cluster": {...}} line (Cluster's fields: prices,
+  host memory, the switch cost in the trace's time units). Unknown keys are an error, naming the line."""
+  fields, cfields = {f.name for f in dataclasses.fields(JobProfile)}, {f.name for f in dataclasses.fields(Cluster)}
+  jobs, cluster = [], None
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
       d = json.loads(line)
+      if "cluster" in d:
+        if unknown := sorted(set(d["cluster"]) - cfields):
+          raise ValueError(f"{path}:{n}: unknown cluster keys {unknown}; expected some of {sorted(cfields)}")
+        c = d["cluster"]
+        cluster = Cluster(**{**c, **({"check_fracs": tuple(c["check_fracs"])} if "check_fracs" in c else {})})
+        continue
       if "host_gb" in d:
         d["host_bytes"] = int(float(d.pop("host_gb")) * 2**30)
       if unknown := sorted(set(d) - fields):
@@ -281,12 +288,18 @@ def load_trace(path: str) -> list[JobProfile]:
       jobs.append(JobProfile(**d))
   if len({j.job for j in jobs}) != len(jobs):
     raise ValueError(f"{path}: job ids must be distinct")
-  return jobs
+  return jobs, cluster
 
 
-def dump_trace(jobs: Sequence[JobProfile], path: str) -> None:
-  """Writes `jobs` as the JSON-lines trace `load_trace` reads."""
+def load_trace(path: str) -> list[JobProfile]:
+  return read_trace(path)[0]
+
+
+def dump_trace(jobs: Sequence[JobProfile], path: str, cluster: Cluster | None = None) -> None:
+  """Writes `jobs` (and `cluster`, if given) as the JSON-lines trace `read_trace` reads."""
   with open(path, "w") as f:
+    if cluster is not None:
+      f.write(json.dumps({"cluster": dataclasses.asdict(cluster)}) + "\n")
     f.writelines(json.dumps(dataclasses.asdict(j)) + "\n" for j in jobs)
 
 
@@ -312,5 +325,7 @@ def format_plan(placer: Placer, decisions: Sequence[Decision]) -> str:
 
 
 def plan_file(path: str, cluster: Cluster | None = None) -> str:
-  placer, decisions = plan(load_trace(path), cluster or Cluster())
+  """The plan of a trace file, under `cluster`, else the trace's own cluster line, else Cluster()."""
+  jobs, own = read_trace(path)
+  placer, decisions = plan(jobs, cluster or own or Cluster())
   return format_plan(placer, decisions)
