@@ -176,3 +176,17 @@ def test_a_synthetic_trace_round_trips_and_the_launcher_plans_it(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout == pl.plan_file(str(path)) + "\n" == pl.format_plan(*pl.plan(jobs, cluster)) + "\n"
   assert out.stdout.count(": new -> group") >= 1 and "for 12 jobs in" in out.stdout
+
+
+def test_rollout_scaling_adds_just_enough_nodes():
+  # A on nodes 0-1 and C on node 0: node 0 is busy 2.5 s a cycle, node 1 only 2 s (A's solo iteration: 3 s).
+  # B (two nodes) packed on both would load node 0 with 3.5 s and slow A by 3.5/3 > its SLO 1.1; one new
+  # node beside node 1 is enough (node 1 then busy 3 s: nobody slower than the cycle of 3 s).
+  a = job("a", 2.0, 1.0, rollout_nodes=2, slo=1.1)
+  c = job("c", 0.5, 1.0, slo=2.0)
+  placer = pl.Placer(FREE)
+  placer.groups.append(pl.GroupPlan((a, c), 1, 2, ((0, 1), (0,))))
+  d = placer.place(job("b", 1.0, 0.5, rollout_nodes=2, slo=3.0))
+  g = placer.groups[0]
+  assert (d.kind, d.added_per_h, g.rollout_nodes, g.pins[-1]) == ("scale", 1.0, 3, (1, 2))
+  np.testing.assert_allclose(pl.slowdowns(g, 0.0), [1.0, 2.0, 2.0])

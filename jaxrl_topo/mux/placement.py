@@ -14,7 +14,8 @@ its solo iteration R + T + S, is its slowdown.
 
 `Placer.place(job)` puts an arriving job where the added cost ($/h of new nodes) is least, over:
   pack    an existing group as is (pinned to its least-loaded rollout nodes): no new nodes
-  scale   an existing group plus the job's own new rollout nodes
+  scale   an existing group plus just enough new rollout nodes (the fewest that meet every SLO; the rest of
+          the job's rollout nodes are the group's least-loaded)
   new     a group of its own (its rollout + train nodes)
 A candidate is kept only if every member's simulated period meets its SLO (worst-case lengths) and each
 node's host memory holds its residents; a saturated group (its busiest pool's load reaches its longest
@@ -183,17 +184,16 @@ def _least_loaded(g: GroupPlan, k: int) -> tuple[int, ...]:
   return tuple(sorted(sorted(load), key=lambda n: load[n])[:k])
 
 
-def with_member(g: GroupPlan, job: JobProfile, kind: str) -> GroupPlan | None:
-  """The group plus `job`, packed onto existing rollout nodes or on `job.rollout_nodes` new ones."""
+def with_member(g: GroupPlan, job: JobProfile, new_nodes: int) -> GroupPlan | None:
+  """The group plus `job` on `new_nodes` new rollout nodes and the rest of its `rollout_nodes` on the
+  group's least-loaded ones (0: packed as is; job.rollout_nodes: on new nodes only)."""
   if job.train_nodes > g.train_nodes:
     return None  # it would need a bigger train pool: a new group
-  if kind == "pack":
-    if job.rollout_nodes > g.rollout_nodes:
-      return None
-    pin = _least_loaded(g, job.rollout_nodes)
-    return GroupPlan(g.members + (job,), g.train_nodes, g.rollout_nodes, g.pins + (pin,))
-  new = tuple(range(g.rollout_nodes, g.rollout_nodes + job.rollout_nodes))
-  return GroupPlan(g.members + (job,), g.train_nodes, g.rollout_nodes + job.rollout_nodes, g.pins + (new,))
+  old = job.rollout_nodes - new_nodes
+  if old > g.rollout_nodes:
+    return None
+  pin = _least_loaded(g, old) + tuple(range(g.rollout_nodes, g.rollout_nodes + new_nodes))
+  return GroupPlan(g.members + (job,), g.train_nodes, g.rollout_nodes + new_nodes, g.pins + (pin,))
 
 
 def alone(job: JobProfile) -> GroupPlan:
@@ -221,11 +221,13 @@ class Placer:
     for i, g in enumerate(self.groups):
       if g is None or saturated(g, w):
         continue
-      for kind in ("pack", "scale"):
-        plan = with_member(g, job, kind)
+      for new_nodes in range(job.rollout_nodes + 1):  # rollout scaling: just enough new nodes
+        plan = with_member(g, job, new_nodes)
         if plan is not None and fits_host(plan, self.cluster) and meets_slos(plan, w, self.cluster.check_fracs):
           added = plan.cost_per_h(self.cluster) - g.cost_per_h(self.cluster)
-          out.append((added, -load_s(plan, w) / max(m.solo_s for m in plan.members), kind, i, plan))
+          out.append((added, -load_s(plan, w) / max(m.solo_s for m in plan.members), "scale" if new_nodes else
+                      "pack", i, plan))
+          break
     own = alone(job)
     if not fits_host(own, self.cluster):
       raise ValueError(f"job {job.job}: {job.host_bytes:,} B of host-resident state exceed one node's "
