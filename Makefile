@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 TEST_ENV := XLA_FLAGS="$(TEST_XLA_FLAGS)" JAX_PLATFORMS=cpu
 
-.PHONY: demo test test-fast test-readme lint install install-test clean
+.PHONY: demo test test-fast test-readme test-jetstream lint install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,5 +51,17 @@ test-fast: lint
 test-readme: $(VENV)/.test
 	$(TEST_ENV) $(BIN)/python -m pytest -m readme tests/test_readme.py
 
+# Serving through JetStream (an optional extra, about 3 GB with TensorFlow): its own venv, so the core
+# suite keeps proving that nothing needs it. pip's cache is shared with .venv's installs.
+JS_VENV := .venv-jetstream
+$(JS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(JS_VENV)
+	$(JS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(JS_VENV)/bin/python -m pip install -q -e '.[test,jetstream]'
+	touch $@
+
+test-jetstream: $(JS_VENV)/.installed
+	$(TEST_ENV) $(JS_VENV)/bin/python -m pytest tests_jetstream
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(JS_VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,126 @@
+"""Load test of the JetStream server (issue 16): requests/s, tokens/s and latency percentiles for 1-64
+concurrent clients on localhost. Needs the jetstream extra (`make test-jetstream` builds .venv-jetstream).
+
+  .venv-jetstream/bin/python benchmarks/serve.py [--model=DIR] [--clients=1,4,16,64] [--requests=64]
+
+Without --model it writes a random-init `tiny` model (untied, char tokenizer) to a temp dir. The server is
+launchers/serve.py in its own process (as a user starts it; greedy, --slots slots); the clients are threads
+here, each sending token requests of --prompt_len random ids with max_tokens=--max_tokens, back to back.
+One JSON line per client count on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _wait_live(stub, proc, pb2, timeout_s: float = 300) -> None:
+  import grpc
+
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      proc.log.seek(0)
+      raise RuntimeError(f"the server exited: {proc.log.read()[-3000:]}")
+    try:
+      if stub.HealthCheck(pb2.HealthCheckRequest(), timeout=5).is_live:
+        return
+    except grpc.RpcError:
+      time.sleep(1)
+  raise TimeoutError("the server did not come up")
+
+
+def _one(stub, pb2, ids, max_tokens) -> tuple[float, int]:
+  t = time.perf_counter()
+  req = pb2.DecodeRequest(token_content=pb2.DecodeRequest.TokenContent(token_ids=ids), max_tokens=max_tokens)
+  n = sum(len(r.stream_content.samples[0].token_ids) for r in stub.Decode(req, timeout=600))
+  return time.perf_counter() - t, n
+
+
+def run_clients(stub, pb2, clients: int, n_requests: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+  rng = np.random.default_rng(clients)
+  prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(n_requests)]
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    results = list(pool.map(lambda p: _one(stub, pb2, p, max_tokens), prompts))
+  wall = time.perf_counter() - t0
+  lat = np.asarray([r[0] for r in results])
+  tokens = sum(r[1] for r in results)
+  return {"clients": clients, "requests": n_requests, "wall_s": wall, "requests_per_s": n_requests / wall,
+          "tokens_per_s": tokens / wall, "tokens": tokens, "latency_p50_s": float(np.percentile(lat, 50)),
+          "latency_p99_s": float(np.percentile(lat, 99))}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--model", default=None)
+  ap.add_argument("--preset", default="tiny")
+  ap.add_argument("--clients", default="1,2,4,8,16,32,64")
+  ap.add_argument("--requests", type=int, default=64, help="requests per client count (at least 2 per client)")
+  ap.add_argument("--prompt_len", type=int, default=32)
+  ap.add_argument("--max_tokens", type=int, default=64)
+  ap.add_argument("--slots", type=int, default=32)
+  ap.add_argument("--port", type=int, default=0)
+  args = ap.parse_args()
+
+  import grpc
+  import jax
+  from jetstream.core.proto import jetstream_pb2 as pb2
+  from jetstream.core.proto import jetstream_pb2_grpc
+
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.models.fresh import write_fresh_model
+  from jaxrl_topo.models.presets import get_preset
+  from jaxrl_topo.serving import server
+
+  model = args.model
+  if model is None:
+    model = tempfile.mkdtemp(prefix="serve_bench_")
+    write_fresh_model(model, dataclasses.replace(get_preset(args.preset), tie_embeddings=False), seed=0)
+  vocab = min(hf_io.read_config(model).vocab_size, 200)
+  port = args.port or server.free_port()
+  cmd = [sys.executable, os.path.join(ROOT, "launchers", "serve.py"), f"--model={model}", f"--port={port}",
+         f"--slots={args.slots}", f"--max_len={args.prompt_len + args.max_tokens + 32}",
+         f"--max_new_tokens={args.max_tokens}"]
+  log = open(os.path.join(tempfile.mkdtemp(prefix="serve_log_"), "server.log"), "w+")  # noqa: SIM115
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+  proc.log = log
+  try:
+    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    _wait_live(stub, proc, pb2)
+    run_clients(stub, pb2, 4, 8, args.prompt_len, args.max_tokens, vocab)  # warm-up: compiles every bucket
+    for c in (int(x) for x in args.clients.split(",")):
+      row = run_clients(stub, pb2, c, max(args.requests, 2 * c), args.prompt_len, args.max_tokens, vocab)
+      row.update(model=model if args.model else f"random {args.preset} (untied)", slots=args.slots,
+                 prompt_len=args.prompt_len, max_tokens=args.max_tokens, device=f"{jax.devices()[0].platform}",
+                 jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
+      print(json.dumps(row), flush=True)
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # print where it hangs (launchers/serve.py dumps stacks on SIGUSR1)
+      proc.send_signal(signal.SIGUSR1)
+      time.sleep(2)
+      proc.kill()
+      proc.log.seek(0)
+      print(proc.log.read()[-6000:], file=sys.stderr)
+      raise
+
+
+if __name__ == "__main__":
+  main()

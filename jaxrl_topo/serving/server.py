@@ -1,0 +1,141 @@
+"""Start JetStream's orchestrator and gRPC server over our engine (launchers/serve.py; issue 16).
+
+`load(model_dir=... | workdir=...)` reads an HF directory, or exports a run's newest checkpoint to
+`<workdir>/serve_hf/` first (runtime/run.py `export`, the same code as launchers/export.py);
+`build_engine` lays the weights out on the rollout mesh and wraps a `RolloutEngine` in
+`JetStreamEngine`; `start` checks the port and runs `jetstream.core.server_lib.run` in interleaved
+mode (one engine prefills and generates). Everything that can be checked before devices are touched
+is checked first, with the flag at fault in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import jax
+
+INSTALL_HINT = "pip install -e '.[jetstream]'  (google-jetstream 0.2.2; it pulls TensorFlow, about 3 GB)"
+
+
+def require_jetstream() -> None:
+  """Raises UserError naming the pip command when the optional extra is missing."""
+  import logging
+
+  root = logging.getLogger()
+  level, handlers = root.level, list(root.handlers)
+  try:
+    import jetstream.core.server_lib  # noqa: F401
+    # Importing JetStream's orchestrator sets the root logger to DEBUG and adds a stdout handler: every
+    # compile and every decode step would be printed (and a server whose stdout is a pipe nobody reads
+    # blocks). Put the caller's logging back as it was.
+    root.setLevel(level)
+    for h in root.handlers[:]:
+      if h not in handlers:
+        root.removeHandler(h)
+  except ImportError as e:
+    from jaxrl_topo.cli import UserError
+    raise UserError(f"serving needs the jetstream extra, which is not installed ({e}): {INSTALL_HINT}") from e
+  if not hasattr(jax, "tree_map"):
+    # JetStream 0.2.2 (archived in 2026) frees each prefix with `jax.tree_map`, which JAX removed in
+    # 0.6: without the alias its generate thread dies at the first insert and the server hangs.
+    jax.tree_map = jax.tree.map
+
+
+def check_port(port: int, host: str = "localhost") -> None:
+  """Raises OSError if something already listens on `port` (JetStream would fail later, less clearly)."""
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind((host, port))
+    except OSError as e:
+      raise OSError(f"--port={port} is busy ({e.strerror}): pick another port or stop what holds it") from e
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  slots: int = 16  # concurrent sequences (JetStream's max_concurrent_decodes)
+  max_len: int = 512  # prompt + completion tokens per sequence
+  max_new_tokens: int = 256  # cap per request (a request's max_tokens cuts earlier)
+  page_size: int = 16
+  decode_chunk: int = 8
+  data: int = 1  # rollout mesh
+  tensor: int = 1
+  dtype: str = "float32"
+  greedy: bool = True
+  temperature: float = 1.0
+  seed: int = 0
+  policy: str = "finish_on_old"  # how a hot weight swap lands
+
+  def __post_init__(self):
+    for name in ("slots", "max_len", "max_new_tokens", "page_size", "decode_chunk", "data", "tensor"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.slots % self.data:
+      raise ValueError(f"slots={self.slots} must split over data={self.data}")
+
+
+def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
+  """The HF directory to serve: --model as given, or --workdir's newest checkpoint exported."""
+  if (model_dir is None) == (workdir is None):
+    raise ValueError("give exactly one of --model=DIR (an HF directory) or --workdir=RUN (a training run)")
+  if model_dir is not None:
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+      raise FileNotFoundError(f"--model={model_dir}: no config.json there (expected a local Hugging Face directory)")
+    return model_dir
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    raise FileNotFoundError(f"--workdir={workdir}: no config.json there (expected a run of launchers/train.py)")
+  from jaxrl_topo.runtime import run
+  out = os.path.join(workdir, "serve_hf")
+  step = run.export(workdir, out)
+  print(f"serving the policy of step {step} of {workdir} (exported to {out})", flush=True)
+  return out
+
+
+def build_engine(model_dir: str, sc: ServeConfig):
+  """(JetStreamEngine, tokenizer or None) with the weights laid out on the rollout mesh."""
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
+  from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
+  from jaxrl_topo.rollout.sampling import SamplingConfig
+  from jaxrl_topo.serving.jetstream_engine import JetStreamEngine
+  from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
+
+  n = sc.data * sc.tensor
+  if n > jax.device_count():
+    raise ValueError(f"data={sc.data} x tensor={sc.tensor} needs {n} devices; this process sees {jax.device_count()}")
+  mesh = make_mesh({"data": sc.data, "tensor": sc.tensor}, jax.devices()[:n]) if n > 1 else None
+  cfg, graphdef, params = hf_io.load_model(model_dir, mesh, ROLLOUT_RULES if mesh else None, dtype=sc.dtype)
+  has_tok = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+  tokenizer = Tokenizer.from_dir(model_dir) if has_tok else None
+  eos = tuple(tokenizer.eos_token_ids if tokenizer else read_eos_token_ids(model_dir))
+  pad = tokenizer.pad_token_id if tokenizer and tokenizer.pad_token_id is not None else 0
+  max_len = min(sc.max_len, cfg.max_position)
+  max_len -= max_len % sc.page_size
+  ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
+                      max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
+                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature))
+  engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=sc.seed, mesh=mesh,
+                         detokenize=tokenizer.decode if tokenizer else None)
+  return JetStreamEngine(engine, tokenizer=tokenizer, max_new_tokens=sc.max_new_tokens, policy=sc.policy), tokenizer
+
+
+def start(js_engine, port: int, *, threads: int | None = None):
+  """JetStream's gRPC server on `port` with `js_engine` interleaved on its mesh's devices; returns it
+  (`.stop()` ends the orchestrator threads and the server)."""
+  require_jetstream()
+  from jetstream.core import config_lib, server_lib
+
+  check_port(port)
+  devices = list(js_engine.mesh.devices.flat)
+  platform = devices[0].platform
+  config = config_lib.ServerConfig(interleaved_slices=(f"{platform}={len(devices)}",),
+                                   interleaved_engine_create_fns=(lambda _devices: js_engine,))
+  return server_lib.run(port=port, config=config, devices=devices, threads=threads)

@@ -1,0 +1,64 @@
+"""Serve a policy through JetStream's orchestrator and gRPC server (needs the jetstream extra).
+
+  pip install -e '.[jetstream]'        # once: google-jetstream 0.2.2 (pulls TensorFlow, about 3 GB)
+  python launchers/serve.py --model=DIR [--port=9000]          # an HF directory
+  python launchers/serve.py --workdir=RUN [--port=9000]        # a training run's newest checkpoint
+
+Clients speak JetStream's protocol (jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub: Decode,
+HealthCheck), with text (the model's tokenizer.json) or token ids. The engine is the RL loop's paged
+rollout engine on a rollout mesh of --data x --tensor devices. Ctrl-C or SIGTERM stops the server;
+SIGUSR1 prints every thread's stack.
+"""
+
+import faulthandler
+import signal
+import threading
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from jaxrl_topo import cli
+
+_MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run of launchers/train.py: serve its newest checkpoint.")
+_PORT = flags.DEFINE_integer("port", 9000, "gRPC port on this host.")
+_SLOTS = flags.DEFINE_integer("slots", 16, "Concurrent sequences (JetStream's max_concurrent_decodes).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 512, "Prompt + completion tokens per sequence (within the model's limit).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Cap per request; a request's max_tokens cuts earlier.")
+_CHUNK = flags.DEFINE_integer("decode_chunk", 8, "Decode steps per device call.")
+_DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the slots).")
+_TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_GREEDY = flags.DEFINE_bool("greedy", True, "Arg-max decoding; --nogreedy samples at --temperature.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature when sampling.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_POLICY = flags.DEFINE_enum("policy", "finish_on_old", ["keep_kv", "finish_on_old", "abort_and_resume"],
+                            "How a hot weight swap lands (JetStreamEngine.swap_weights).")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from jaxrl_topo.serving import server
+
+  server.require_jetstream()
+  sc = server.ServeConfig(slots=_SLOTS.value, max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
+                          decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
+                          greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value)
+  server.check_port(_PORT.value)  # before loading anything
+  model_dir = server.resolve_model_dir(_MODEL.value, _WORKDIR.value)
+  js_engine, _ = server.build_engine(model_dir, sc)
+  srv = server.start(js_engine, _PORT.value)
+  print(f"serving {model_dir} on localhost:{_PORT.value} ({sc.slots} slots, data={sc.data} x tensor={sc.tensor}); "
+        "Ctrl-C or SIGTERM stops", flush=True)
+  faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (a stuck server)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  stop.wait()
+  srv.stop()
+  print("server stopped", flush=True)
+
+
+if __name__ == "__main__":
+  cli.launch(main)

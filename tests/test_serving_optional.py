@@ -1,0 +1,35 @@
+"""JetStream is an optional extra (issue 16): the core never imports it, and serving without it says
+how to install it. (The serving tests themselves run in .venv-jetstream: `make test-jetstream`.)"""
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import jaxrl_topo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_no_core_module_imports_jetstream():
+  names = [m.name for m in pkgutil.walk_packages(jaxrl_topo.__path__, "jaxrl_topo.")
+           if not m.name.startswith("jaxrl_topo.serving.jetstream")]
+  code = ("import importlib, sys\n"
+          f"for n in {names!r}: importlib.import_module(n)\n"
+          "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jetstream', 'tensorflow', 'seqio'))\n"
+          "assert not bad, bad\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jetstream") is not None, reason="the extra is installed here")
+def test_serve_without_the_extra_names_the_pip_command(tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "serve.py"), f"--model={tmp_path}"],
+                     capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode != 0
+  assert "pip install -e '.[jetstream]'" in r.stderr, r.stderr[-2000:]

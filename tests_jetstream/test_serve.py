@@ -1,0 +1,247 @@
+"""JetStream serving (issue 16): our engine behind JetStream's orchestrator and gRPC server, queried
+with JetStream's own client (jetstream_pb2_grpc).
+
+One tiny random-init model directory (char tokenizer) and one in-process server for the module;
+`launchers/serve.py` as a user starts it (a subprocess) for start-up errors and shutdown.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+from jaxrl_topo.models import hf_io
+from jaxrl_topo.models.fresh import write_fresh_model
+from jaxrl_topo.models.presets import get_preset
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.serving import server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_NEW = 12
+TINY = dataclasses.replace(get_preset("tiny"), tie_embeddings=False)  # untied: greedy answers depend on the weights
+SC = server.ServeConfig(slots=8, max_len=128, max_new_tokens=MAX_NEW, decode_chunk=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("model"))
+  write_fresh_model(out, TINY, seed=0)
+  return out
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+  js_engine, tokenizer = server.build_engine(model_dir, SC)
+  port = server.free_port()
+  srv = server.start(js_engine, port)
+  channel = grpc.insecure_channel(f"localhost:{port}")
+  grpc.channel_ready_future(channel).result(timeout=30)
+  yield js_engine, tokenizer, jetstream_pb2_grpc.OrchestratorStub(channel)
+  channel.close()
+  srv.stop()
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, min(vocab, 60), size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+def _ask(stub, ids, max_tokens=MAX_NEW) -> list[int]:
+  req = jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids),
+                                    max_tokens=max_tokens)
+  return [t for resp in stub.Decode(req, timeout=120) for t in resp.stream_content.samples[0].token_ids]
+
+
+def _reference(js_engine, params, prompts, max_new: int = MAX_NEW) -> list[list[int]]:
+  """Our engine's own greedy run (RolloutEngine.run, one slot: each prompt alone), EOS cut as JetStream does."""
+  e = js_engine.engine
+  ecfg = EngineConfig(n_slots=1, page_size=e.ecfg.page_size, n_pages=e.ecfg.n_pages, max_len=e.ecfg.max_len,
+                      eos_ids=e.ecfg.eos_ids, pad_id=e.ecfg.pad_id)
+  ref = RolloutEngine(e.graphdef, e.cfg, params, ecfg)
+  out = []
+  for p in prompts:
+    toks = ref.run([Request(p, max_new_tokens=max_new)])[0].tokens
+    out.append([t for t in toks if t not in e.ecfg.eos_ids])
+  return out
+
+
+def test_greedy_request_equals_the_engine(served):
+  js_engine, _, stub = served
+  prompts = _prompts(3, js_engine.engine.cfg.vocab_size)
+  want = _reference(js_engine, js_engine.engine.params, prompts)
+  got = [_ask(stub, p) for p in prompts]
+  assert got == want
+  assert any(len(w) == MAX_NEW for w in want), "some answer should run to max_tokens"
+
+
+def test_sixteen_concurrent_requests_each_equal_one_at_a_time(served):
+  js_engine, _, stub = served
+  prompts = _prompts(16, js_engine.engine.cfg.vocab_size, seed=1)
+  want = _reference(js_engine, js_engine.engine.params, prompts)
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda p: _ask(stub, p), prompts))
+  assert got == want  # 16 requests over 8 slots: every one answered, in any interleaving, as if alone
+
+
+def test_text_request_and_max_tokens(served):
+  js_engine, tokenizer, stub = served
+  req = jetstream_pb2.DecodeRequest(text_content=jetstream_pb2.DecodeRequest.TextContent(text="abc"), max_tokens=5)
+  resps = list(stub.Decode(req, timeout=120))
+  ids = [t for r in resps for t in r.stream_content.samples[0].token_ids]
+  text = "".join(r.stream_content.samples[0].text for r in resps)
+  want = _reference(js_engine, js_engine.engine.params, [tokenizer.encode("abc", add_special_tokens=True)])[0][:5]
+  assert ids == want and len(ids) <= 5
+  assert text == tokenizer.decode(ids)
+
+
+def test_malformed_requests_get_an_error_and_the_server_keeps_serving(served):
+  js_engine, _, stub = served
+  with pytest.raises(grpc.RpcError):  # no content at all
+    list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=4), timeout=60))
+  assert _ask(stub, [10**6, 5]) == []  # ids outside the vocabulary: ended at once, with no tokens
+  assert js_engine.finished and "outside the vocabulary" in (js_engine.finished[-1]["error"] or "")
+  p = _prompts(1, js_engine.engine.cfg.vocab_size, seed=2)
+  assert _ask(stub, p[0]) == _reference(js_engine, js_engine.engine.params, p)[0]
+
+
+@pytest.mark.parametrize("policy", ["finish_on_old", "abort_and_resume"])
+def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
+  """Weights swapped while 16 requests stream: every response is one version's greedy answer
+  finish_on_old: each response is one version's greedy answer, its tokens all of one gen_id, and both
+  versions answer some; abort_and_resume: a request caught mid-answer keeps what was sent and continues
+  as the new weights answer prompt + sent tokens."""
+  js_engine, _ = server.build_engine(model_dir, server.ServeConfig(**{**SC.__dict__, "policy": policy}))
+  old = js_engine.engine.params
+  other = str(tmp_path / "other")
+  write_fresh_model(other, TINY, seed=1)  # a clearly different policy, same shapes
+  new = hf_io.load_model(other, dtype=SC.dtype)[2]
+  port = server.free_port()
+  srv = server.start(js_engine, port)
+  try:
+    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    prompts = _prompts(16, js_engine.engine.cfg.vocab_size, seed=3)
+    want_old, want_new = _reference(js_engine, old, prompts), _reference(js_engine, new, prompts)
+    differ = sum(a != b for a, b in zip(want_old, want_new, strict=True))
+    assert differ >= 12, f"the versions must answer differently: {want_old} {want_new}"
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+      futs = [pool.submit(_ask, stub, p) for p in prompts[:8]]
+      while js_engine._next_seq < 8:
+        time.sleep(0.005)  # the first 8 requests are admitted (under the old weights)
+      js_engine.swap_weights(new, gen_id=1)
+      futs += [pool.submit(_ask, stub, p) for p in prompts[8:]]
+      got = [f.result() for f in futs]
+  finally:
+    srv.stop()
+  versions = [("old" if g == o else "new" if g == n else None) for g, o, n in zip(got, want_old, want_new,
+                                                                                     strict=True)]
+  if policy == "finish_on_old":
+    assert None not in versions, f"a response mixed versions: {versions}"
+    rows = [r for r in js_engine.finished if r["error"] is None]
+    assert all(len(set(r["gen_ids"])) == 1 for r in rows), "a request's tokens came from two versions"
+    assert "old" in versions and "new" in versions, versions
+  else:  # abort_and_resume: what was sent stays; the rest is the new weights' answer to prompt + what was sent
+    resumed = 0
+    for r in (r for r in js_engine.finished if r["error"] is None):
+      k = r["gen_ids"].index(1) if 1 in r["gen_ids"] else len(r["gen_ids"])
+      if 0 < k < len(r["tokens"]):
+        resumed += 1
+        cont = _reference(js_engine, new, [r["prompt"] + r["tokens"][:k]], max_new=MAX_NEW - k)[0]
+        assert r["tokens"][k:] == cont[: len(r["tokens"]) - k], r
+    assert resumed, "no request was caught mid-answer by the swap"
+    assert all(v == "new" for v in versions[8:]), f"requests sent after the swap must be answered by it: {versions}"
+
+
+def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
+  launcher = [sys.executable, os.path.join(ROOT, "launchers", "serve.py")]
+  r = subprocess.run([*launcher, f"--model={tmp_path / 'nope'}"], capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0 and "no config.json" in r.stderr + r.stdout
+  port = server.free_port()
+  log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - a file, not a pipe nobody reads while it serves
+  proc = subprocess.Popen([*launcher, f"--model={model_dir}", f"--port={port}", "--slots=4", "--max_len=64"],
+                          stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+  def output() -> str:
+    log.seek(0)
+    return log.read()[-3000:]
+
+  try:
+    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    deadline = time.time() + 180
+    while True:
+      try:
+        if stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=5).is_live:
+          break
+      except grpc.RpcError:
+        assert proc.poll() is None and time.time() < deadline, output()
+        time.sleep(1)
+    assert len(_ask(stub, [5, 6, 7], max_tokens=4)) <= 4
+    busy = subprocess.run([*launcher, f"--model={model_dir}", f"--port={port}"], capture_output=True, text=True,
+                          timeout=180)
+    assert busy.returncode != 0 and f"--port={port} is busy" in busy.stderr + busy.stdout
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, output()
+    assert "server stopped" in output()
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+  assert left.stdout.strip() == "", f"processes left behind: {left.stdout}"
+
+
+def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
+  """--workdir: a 2-step GRPO run's last checkpoint, exported and served; its answers are the engine's
+  greedy answers under the checkpoint's weights (not the run's initial ones)."""
+  from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime.config import config_from_file, from_config_dict
+
+  c = config_from_file(os.path.join(ROOT, "configs", "grpo_task.py"), "tiny")
+  c.run.update(dict(steps=2, sft_steps=20, sft_target_accuracy=0.0, eval_every=0, tensorboard=False, plot=False,
+                    checkpoint_every=2))
+  c.reward.n_workers = 0
+  work = str(tmp_path / "run")
+  run_lib.save_config(c, work)  # as launchers/train.py does
+  run_lib.train(from_config_dict(c), work, progress=False)
+  model_dir = server.resolve_model_dir(None, work)
+  assert model_dir == os.path.join(work, "serve_hf") and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+  js_engine, tokenizer = server.build_engine(model_dir, SC)
+  trained = hf_io.load_model(model_dir, dtype="float32")[2]
+  init = hf_io.load_model(os.path.join(work, "init_model"), dtype="float32")[2]
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(init), strict=True))
+  port = server.free_port()
+  srv = server.start(js_engine, port)
+  try:
+    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    prompt = tokenizer.encode("reverse: abc", add_special_tokens=True)
+    assert _ask(stub, prompt) == _reference(js_engine, trained, [prompt])[0]
+  finally:
+    srv.stop()
+  with pytest.raises(ValueError, match="exactly one of"):
+    server.resolve_model_dir(model_dir, work)
+
+
+def test_a_sharded_rollout_mesh_serves_the_same_tokens(model_dir, served):
+  """--data=2 --tensor=2: slots split over data, KV heads over tensor; the same answers as one device."""
+  one_device, _, _ = served
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, data=2, tensor=2))
+  assert js_engine.mesh.shape == {"data": 2, "tensor": 2}
+  port = server.free_port()
+  srv = server.start(js_engine, port)
+  try:
+    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    prompts = _prompts(8, js_engine.engine.cfg.vocab_size, seed=4)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      got = list(pool.map(lambda p: _ask(stub, p), prompts))
+  finally:
+    srv.stop()
+  assert got == _reference(one_device, one_device.engine.params, prompts)
