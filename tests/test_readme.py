@@ -10,6 +10,8 @@ What is changed, and why:
 - `make install` is not run (the test already runs inside the installed .venv);
 - commands naming files outside the repo (`/models/...`, `/data/...`: the GSM8K recipe) are skipped,
   since they need a downloaded model and data set;
+- commands run with .venv-jetstream (serving, an optional extra) are left to `make test-jetstream`
+  (tests_jetstream/test_readme_serving.py);
 - Python blocks whose first line is `# <name>.py` are written to that file (the Quickstart's reward
   function and script); the others are the Embeddable API session.
 """
@@ -86,6 +88,8 @@ def test_every_readme_command_runs(tmp_path):
     for cmd in commands(body):
       if cmd.startswith("make ") or any(x in cmd for x in EXTERNAL):
         continue
+      if ".venv-jetstream" in cmd:
+        continue  # the serving commands: tests_jetstream/test_readme_serving.py runs them in that venv
       if cmd.startswith("source "):
         continue  # the .venv's python is already first on PATH
       if m := re.fullmatch(r"export (\w+)=(\S+)", cmd):
