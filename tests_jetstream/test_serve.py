@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -110,7 +111,7 @@ def test_malformed_requests_get_an_error_and_the_server_keeps_serving(served):
   with pytest.raises(grpc.RpcError):  # no content at all
     list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=4), timeout=60))
   assert _ask(stub, [10**6, 5]) == []  # ids outside the vocabulary: ended at once, with no tokens
-  assert js_engine.finished and "outside the vocabulary" in (js_engine.finished[-1]["error"] or "")
+  assert any("outside the vocabulary" in (r["error"] or "") for r in js_engine.finished)
   p = _prompts(1, js_engine.engine.cfg.vocab_size, seed=2)
   assert _ask(stub, p[0]) == _reference(js_engine, js_engine.engine.params, p)[0]
 
@@ -134,11 +135,19 @@ def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
     want_old, want_new = _reference(js_engine, old, prompts), _reference(js_engine, new, prompts)
     differ = sum(a != b for a, b in zip(want_old, want_new, strict=True))
     assert differ >= 12, f"the versions must answer differently: {want_old} {want_new}"
+    swapped, report = threading.Event(), js_engine._report
+
+    def report_then_swap(state):  # the swap arrives while a request is mid-answer (4 tokens sent), every run
+      out = report(state)
+      if not swapped.is_set() and any(len(r.reported) >= 4 and not r.done for r in state.by_slot.values()):
+        js_engine.swap_weights(new, gen_id=1)
+        swapped.set()
+      return out
+
+    js_engine._report = report_then_swap
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
       futs = [pool.submit(_ask, stub, p) for p in prompts[:8]]
-      while js_engine._next_seq < 8:
-        time.sleep(0.005)  # the first 8 requests are admitted (under the old weights)
-      js_engine.swap_weights(new, gen_id=1)
+      assert swapped.wait(timeout=120)
       futs += [pool.submit(_ask, stub, p) for p in prompts[8:]]
       got = [f.result() for f in futs]
   finally:
@@ -151,14 +160,16 @@ def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
     assert all(len(set(r["gen_ids"])) == 1 for r in rows), "a request's tokens came from two versions"
     assert "old" in versions and "new" in versions, versions
   else:  # abort_and_resume: what was sent stays; the rest is the new weights' answer to prompt + what was sent
-    resumed = 0
+    resumed = continued = 0
     for r in (r for r in js_engine.finished if r["error"] is None):
       k = r["gen_ids"].index(1) if 1 in r["gen_ids"] else len(r["gen_ids"])
       if 0 < k < len(r["tokens"]):
         resumed += 1
         cont = _reference(js_engine, new, [r["prompt"] + r["tokens"][:k]], max_new=MAX_NEW - k)[0]
-        assert r["tokens"][k:] == cont[: len(r["tokens"]) - k], r
-    assert resumed, "no request was caught mid-answer by the swap"
+        sent = [t for t in r["tokens"][k:] if t not in js_engine.engine.ecfg.eos_ids]  # JetStream drops EOS
+        assert sent == cont[: len(sent)], r
+        continued += bool(sent)
+    assert resumed and continued, f"{resumed} requests caught mid-answer, {continued} continued past the swap"
     assert all(v == "new" for v in versions[8:]), f"requests sent after the swap must be answered by it: {versions}"
 
 
