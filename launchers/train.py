@@ -97,8 +97,8 @@ def preflight(cfg) -> None:
   the prompt files, the reward functions, and prompt + response against the model's position limit."""
   import dataclasses
 
+  from jaxrl_topo.envs import rewards
   from jaxrl_topo.models.presets import get_preset
-  from jaxrl_topo.rl import rewards
 
   if cfg.model.hf_dir is not None:
     if not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):

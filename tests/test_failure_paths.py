@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.data import pipeline
+from jaxrl_topo.envs import rewards
+from jaxrl_topo.envs.reward_pool import CircuitBreaker, RewardPool, RewardResult, RewardsFailing
 from jaxrl_topo.models import tokenizer as tk
-from jaxrl_topo.rl import rewards
-from jaxrl_topo.rl.reward_pool import CircuitBreaker, RewardPool, RewardResult, RewardsFailing
 
 M = "reward_fns_for_tests:"
 

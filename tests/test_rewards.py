@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_topo.rl import rewards
-from jaxrl_topo.rl.reward_pool import RewardPool, RewardsFailing, score_inline
-from jaxrl_topo.rl.rewards import answers_equal, extract_answer, format_reward, math_answer
+from jaxrl_topo.envs import rewards
+from jaxrl_topo.envs.reward_pool import RewardPool, RewardsFailing, score_inline
+from jaxrl_topo.envs.rewards import answers_equal, extract_answer, format_reward, math_answer
 
 M = "reward_fns_for_tests:"  # tests/reward_fns_for_tests.py, importable in the workers too
 

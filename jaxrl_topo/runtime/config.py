@@ -139,7 +139,7 @@ MODEL_REWARD = "model"  # the reward model's name among the reward functions
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
-  """Reward functions (import paths or built-in names, rl/rewards.py) and the shaping around them."""
+  """Reward functions (import paths or built-in names, envs/rewards.py) and the shaping around them."""
 
   fn: str = "task"  # the main reward: "task", "math_answer", "format", "pkg.module:fn", or "model"
   extra: dict[str, float] = dataclasses.field(default_factory=dict)  # more functions: name -> weight

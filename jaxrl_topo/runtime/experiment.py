@@ -19,6 +19,7 @@ import optax
 from absl import logging
 
 from jaxrl_topo.data import pipeline
+from jaxrl_topo.envs.reward_pool import RewardPool, score_inline
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.fresh import write_fresh_model
@@ -26,7 +27,6 @@ from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.models.tokenizer import Tokenizer
 from jaxrl_topo.rl.reward_model import RewardModel
-from jaxrl_topo.rl.reward_pool import RewardPool, score_inline
 from jaxrl_topo.rollout.dense import DecodeConfig
 from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
 from jaxrl_topo.rollout.generate import generate_ids
