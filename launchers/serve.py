@@ -3,6 +3,7 @@
   pip install -e '.[jetstream]'        # once: google-jetstream 0.2.2 (pulls TensorFlow, about 3 GB)
   python launchers/serve.py --model=DIR [--port=9000]          # an HF directory
   python launchers/serve.py --workdir=RUN [--port=9000]        # a training run's newest checkpoint
+  python launchers/serve.py --workdir=RUN --follow_s=60        # ... and each newer one as the run saves it
 
 Clients speak JetStream's protocol (jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub: Decode,
 HealthCheck), with text (the model's tokenizer.json) or token ids. The engine is the RL loop's paged
@@ -11,6 +12,7 @@ SIGUSR1 prints every thread's stack.
 """
 
 import faulthandler
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -32,6 +34,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute
 _GREEDY = flags.DEFINE_bool("greedy", True, "Arg-max decoding; --nogreedy samples at --temperature.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature when sampling.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_FOLLOW = flags.DEFINE_float("follow_s", 0.0, "With --workdir: every N seconds, swap in the run's newest "
+                             "checkpoint if it is newer (gen_id = its step); 0 = serve one checkpoint.")
 _POLICY = flags.DEFINE_enum("policy", "finish_on_old", ["keep_kv", "finish_on_old", "abort_and_resume"],
                             "How a hot weight swap lands (JetStreamEngine.swap_weights).")
 
@@ -46,8 +50,11 @@ def main(argv: Sequence[str]) -> None:
                           decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
                           greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value)
   server.check_port(_PORT.value)  # before loading anything
+  if _FOLLOW.value and not _WORKDIR.value:
+    raise ValueError("--follow_s needs --workdir (a run whose new checkpoints to serve)")
+  step = server.newest_step(_WORKDIR.value) if _WORKDIR.value and os.path.isdir(_WORKDIR.value) else None
   model_dir = server.resolve_model_dir(_MODEL.value, _WORKDIR.value)
-  js_engine, _ = server.build_engine(model_dir, sc)
+  js_engine, _ = server.build_engine(model_dir, sc, gen_id=step or 0)
   srv = server.start(js_engine, _PORT.value)
   print(f"serving {model_dir} on localhost:{_PORT.value} ({sc.slots} slots, data={sc.data} x tensor={sc.tensor}); "
         "Ctrl-C or SIGTERM stops", flush=True)
@@ -55,6 +62,9 @@ def main(argv: Sequence[str]) -> None:
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
+  if _FOLLOW.value:
+    threading.Thread(target=server.follow_run, args=(js_engine, _WORKDIR.value, sc, stop),
+                     kwargs=dict(every_s=_FOLLOW.value, served_step=step), daemon=True).start()
   stop.wait()
   srv.stop()
   print("server stopped", flush=True)

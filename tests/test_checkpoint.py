@@ -141,6 +141,23 @@ def test_latest_step_skips_the_save_in_flight(tmp_path, monkeypatch):
   ckpt.close()
 
 
+def test_a_read_only_reader_leaves_a_live_runs_save_in_flight_alone(tmp_path):
+  """export and serving open the run's checkpoints while it trains: a writer's manager deletes tmp
+  directories (an in-flight save) when it opens; a read-only one must not, and cannot save."""
+  mesh = _mesh()
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(1, _tree(mesh), {"step": 1})
+  in_flight = tmp_path / "2.orbax-checkpoint-tmp"  # what a save of step 2 looks like while it writes
+  in_flight.mkdir()
+  with Checkpointer(str(tmp_path), read_only=True) as reader:
+    assert reader.latest_step() == 1 and reader.restore(None, abstract_like(_tree(mesh)))[1] == {"step": 1}
+    with pytest.raises(RuntimeError, match="read-only"):
+      reader.save(3, _tree(mesh), {})
+  assert in_flight.is_dir()
+  Checkpointer(str(tmp_path)).close()  # a writer opening: the tmp directory goes (why readers must not be one)
+  assert not in_flight.exists()
+
+
 def test_keep_n(tmp_path):
   mesh = _mesh()
   tree = _tree(mesh)

@@ -212,7 +212,8 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
 
 def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
   """--workdir: a 2-step GRPO run's last checkpoint, exported and served; its answers are the engine's
-  greedy answers under the checkpoint's weights (not the run's initial ones)."""
+  greedy answers under the checkpoint's weights (not the run's initial ones). The run then trains on
+  while served, and follow_run swaps its next checkpoint in."""
   from jaxrl_topo.runtime import run as run_lib
   from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 
@@ -231,11 +232,27 @@ def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(init), strict=True))
   port = server.free_port()
   srv = server.start(js_engine, port)
+  stop = threading.Event()
   try:
     stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
     prompt = tokenizer.encode("reverse: abc", add_special_tokens=True)
     assert _ask(stub, prompt) == _reference(js_engine, trained, [prompt])[0]
+    # The run goes on while it is served: --follow_s swaps its step-4 checkpoint in (gen_id 4).
+    follower = threading.Thread(target=server.follow_run, args=(js_engine, work, SC, stop),
+                                kwargs=dict(every_s=0.2, served_step=2))
+    follower.start()
+    c.run.steps = 4
+    run_lib.save_config(c, work)
+    run_lib.train(from_config_dict(c), work, progress=False)
+    deadline = time.time() + 120
+    while js_engine._pending is None and js_engine.engine.gen_id != 4:
+      assert time.time() < deadline, "the step-4 checkpoint was never swapped in"
+      time.sleep(0.1)
+    step4 = hf_io.load_model(model_dir, dtype="float32")[2]  # serve_hf/ now holds step 4
+    assert _ask(stub, prompt) == _reference(js_engine, step4, [prompt])[0]
+    assert js_engine.engine.gen_id == 4 and js_engine.finished[-1]["gen_ids"][0] == 4
   finally:
+    stop.set()
     srv.stop()
   with pytest.raises(ValueError, match="exactly one of"):
     server.resolve_model_dir(model_dir, work)

@@ -79,9 +79,12 @@ class Checkpointer:
   """Keep-N, optionally async checkpoints of (state pytree, JSON meta) in `directory`; see the module doc."""
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True,
-               processes: frozenset[int] | None = None):
+               processes: frozenset[int] | None = None, read_only: bool = False):
     """`processes`: the processes that hold the state (default all); only they may construct and call
-    this Checkpointer (a disaggregated run's rollout-only processes hold none of the train state)."""
+    this Checkpointer (a disaggregated run's rollout-only processes hold none of the train state).
+    `read_only`: for readers beside a live run (export, serving): no saves, and the run's in-flight save
+    (a tmp directory) is left alone; a writer's manager deletes tmp directories when it opens."""
+    self.read_only = read_only
     if not isinstance(keep, int) or keep < 1:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1 (checkpoints kept on disk)")
     directory = str(directory)
@@ -98,7 +101,8 @@ class Checkpointer:
       if "://" not in self.directory:  # orbax will not create the root for a subset of processes
         os.makedirs(self.directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True, create=multi.active_processes is None,
+                                           cleanup_tmp_directories=not read_only,
+                                           create=multi.active_processes is None and not read_only,
                                            multiprocessing_options=multi)
     # Handlers named up front, so a fresh manager can read a step's metadata before any save or restore.
     self._mngr = ocp.CheckpointManager(
@@ -111,6 +115,8 @@ class Checkpointer:
     """Writes `state` and `meta` as checkpoint `step`. Async: returns after the device->host copy (the
     arrays may then be donated), the write continues in the background; it waits for a previous save first.
     Steps must increase: saving at or below the newest step raises ValueError."""
+    if self.read_only:
+      raise RuntimeError(f"a read-only Checkpointer cannot save (step {step} in {self.directory})")
     step = int(step)
     if not isinstance(meta, dict):
       raise TypeError(f"Checkpointer.save: meta must be a dict, got {type(meta).__name__}")

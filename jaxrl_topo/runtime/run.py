@@ -230,7 +230,7 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   trainer = carve(cfg.topology).trainer
   model_cfg, _, params = hf_io.load_model(model_dir, trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   state = create_train_state(params, cfg.train_config, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
-  with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+  with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:  # the run may be saving
     step = ckpt.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")

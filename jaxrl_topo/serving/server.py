@@ -1,11 +1,11 @@
 """Start JetStream's orchestrator and gRPC server over our engine (launchers/serve.py; issue 16).
 
-`load(model_dir=... | workdir=...)` reads an HF directory, or exports a run's newest checkpoint to
-`<workdir>/serve_hf/` first (runtime/run.py `export`, the same code as launchers/export.py);
-`build_engine` lays the weights out on the rollout mesh and wraps a `RolloutEngine` in
-`JetStreamEngine`; `start` checks the port and runs `jetstream.core.server_lib.run` in interleaved
-mode (one engine prefills and generates). Everything that can be checked before devices are touched
-is checked first, with the flag at fault in the message.
+`resolve_model_dir` takes an HF directory, or exports a run's newest checkpoint to `<workdir>/serve_hf/`
+(runtime/run.py `export`, the same code as launchers/export.py); `build_engine` lays the weights out on
+the rollout mesh and wraps a `RolloutEngine` in `JetStreamEngine`; `follow_run` swaps a run's newer
+checkpoints in while serving; `start` checks the port and runs `jetstream.core.server_lib.run` in
+interleaved mode (one engine prefills and generates). What can be checked before devices are touched is
+checked first, with the flag at fault in the message.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 
 import jax
 
@@ -99,8 +100,42 @@ def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
   return out
 
 
-def build_engine(model_dir: str, sc: ServeConfig):
-  """(JetStreamEngine, tokenizer or None) with the weights laid out on the rollout mesh."""
+def newest_step(workdir: str) -> int | None:
+  """The newest complete checkpoint of a run (None if it has none yet)."""
+  from jaxrl_topo.runtime.checkpoint import Checkpointer
+
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  with Checkpointer(directory, async_save=False, read_only=True) as ckpt:
+    return ckpt.latest_step()
+
+
+def follow_run(js_engine, workdir: str, sc: ServeConfig, stop: threading.Event, *, every_s: float = 30.0,
+               served_step: int | None = None) -> None:
+  """Until `stop`: every `every_s` seconds, a newer checkpoint of `workdir` is exported and swapped into
+  the served engine under its policy, with its step as the gen_id (a run serving its latest policy)."""
+  from jaxrl_topo.models import hf_io
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.topology.rules import ROLLOUT_RULES
+
+  served = newest_step(workdir) if served_step is None else served_step
+  mesh = js_engine.engine.mesh
+  while not stop.wait(every_s):
+    step = newest_step(workdir)
+    if step is None or (served is not None and step <= served):
+      continue
+    out = os.path.join(workdir, "serve_hf")
+    run.export(workdir, out, step=step)
+    _, _, params = hf_io.load_model(out, mesh, ROLLOUT_RULES if mesh else None, dtype=sc.dtype)
+    js_engine.swap_weights(params, gen_id=step)
+    served = step
+    print(f"swapped in the policy of step {step} (policy {js_engine.policy})", flush=True)
+
+
+def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
+  """(JetStreamEngine, tokenizer or None) with the weights laid out on the rollout mesh; `gen_id` tags
+  the served weights' version (a run's checkpoint step)."""
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
   from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
@@ -122,7 +157,7 @@ def build_engine(model_dir: str, sc: ServeConfig):
   ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
                       max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
                       sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature))
-  engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=sc.seed, mesh=mesh,
+  engine = RolloutEngine(graphdef, cfg, params, ecfg, gen_id=gen_id, seed=sc.seed, mesh=mesh,
                          detokenize=tokenizer.decode if tokenizer else None)
   return JetStreamEngine(engine, tokenizer=tokenizer, max_new_tokens=sc.max_new_tokens, policy=sc.policy), tokenizer
 
