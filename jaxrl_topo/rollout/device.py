@@ -159,37 +159,39 @@ def _copy_pages(cache: PagedKVCache, src_C, dst_C, sharded: bool) -> PagedKVCach
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_ids", "layout"), donate_argnames=("state",))
-def prefill(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, lengths_G, table_GM, src_C, dst_C,
-            prompt_N, slot_N, seq_N, left_N, stop_NX, *, sampling: SamplingConfig, eos_ids: tuple[int, ...],
+def prefill(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, lengths_G, start_G, table_GM, src_C,
+            dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX, *, sampling: SamplingConfig, eos_ids: tuple[int, ...],
             layout: Layout | None = None):
   """One wave: (state, first tokens_N, their log-probs_N). Sample row n draws from prompt prompt_N[n]
   with the key (seed, seq_N[n], its prompt length) and, unless slot_N[n] = B, goes live in that slot
   with left_N[n] more tokens allowed. `table_BM` replaces the device page table (it holds the
-  wave's slots); `table_GM` holds each prompt's own pages (all -1 for padding rows). With data
-  shards, every G, C and N row array is split into equal per-shard parts (module docstring)."""
+  wave's slots); `table_GM` holds each prompt's own pages (all -1 for padding rows). Prompt g's
+  tokens sit at positions start_G[g] + t: an episode's next turn (scheduler.py) continues a slot
+  whose positions < start_G[g] are already in its pages, attending to them (start 0: a new prompt).
+  With data shards, every G, C and N row array is split into equal per-shard parts (module docstring)."""
   body = functools.partial(_prefill_shard, graphdef.value, sampling=sampling, eos_ids=eos_ids,
                            sharded=_sharded(layout))
   specs = _state_specs(state)
-  state, tok_N, lp_N = _per_shard(body, layout, (_R, specs, _R) + (_D,) * 11, (specs, _D, _D))(
-      params, state, key, table_BM, tokens_GT, lengths_G, table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N,
-      stop_NX)
+  state, tok_N, lp_N = _per_shard(body, layout, (_R, specs, _R) + (_D,) * 12, (specs, _D, _D))(
+      params, state, key, table_BM, tokens_GT, lengths_G, start_G, table_GM, src_C, dst_C, prompt_N, slot_N, seq_N,
+      left_N, stop_NX)
   return constrain(state, layout), tok_N, lp_N
 
 
-def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, lengths_G, table_GM, src_C, dst_C,
-                   prompt_N, slot_N, seq_N, left_N, stop_NX, *, sampling, eos_ids, sharded: bool):
+def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_GT, lengths_G, start_G, table_GM, src_C,
+                   dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX, *, sampling, eos_ids, sharded: bool):
   model = _merge(graphdef, params, sharded)
   G, T = tokens_GT.shape
   n_local = state.cache.n_pages
   view = state.cache.replace(table_BM=_local_pages(table_GM, n_local, sharded, -1))
-  positions_GT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (G, T))
+  positions_GT = start_G[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view)
   h_G1D = jnp.take_along_axis(h_GTD, (lengths_G - 1)[:, None, None], axis=1)
   logits_GV = model.logits(h_G1D)[:, 0]
   cache = state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH,
                               table_BM=_local_pages(table_BM, n_local, sharded, -1))
   cache = _copy_pages(cache, src_C, dst_C, sharded)
-  len_N = lengths_G[prompt_N]
+  len_N = start_G[prompt_N] + lengths_G[prompt_N]  # the sampled token's position
   tok_N, lp_N = sample_tokens(logits_GV[prompt_N], sequence_keys(key, seq_N, len_N), sampling)
   active_N = (left_N > 0) & ~_stops(tok_N, stop_NX, eos_ids)
   state = _set_rows(state.replace(cache=cache), slot_N, tok_N, len_N, seq_N, left_N, active_N, stop_NX)

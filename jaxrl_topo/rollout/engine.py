@@ -320,6 +320,32 @@ class RolloutEngine:
       self.stats["slot_steps_queued"] += run_steps
     return new, chunk
 
+  def _extend(self, slot: int, feed_ids: Sequence[int], start: int, *, max_new_tokens: int,
+              stop_ids: Sequence[int] = (), lookahead: int = 0) -> None:
+    """An episode's next turn in a parked slot (its pages hold positions < start): `feed_ids` (the last
+    sampled token, then the appended ones) go out as a one-row wave at positions start.., attending to
+    the pages already written (no re-prefill), and its first token is sampled with the key of its
+    position, as a recompute of the whole sequence would. OutOfPages: the slot is unchanged."""
+    self.pool.rewind(slot, start)
+    self.pool.ensure_capacity(slot, len(feed_ids) + min(lookahead, max_new_tokens - 1))
+    self.pool.advance(slot, len(feed_ids))
+    h = self.host
+    self._park(slot)
+    self._rows.pop(slot, None)  # the prefill sets the whole row
+    h.pos_B[slot], h.left_B[slot], h.active_B[slot] = start + len(feed_ids), max_new_tokens - 1, max_new_tokens > 1
+    h.stop_BX[slot] = -1
+    h.stop_BX[slot, : len(stop_ids)] = stop_ids
+    self._waves.append(_Wave(list(feed_ids), [slot], [int(h.seq_B[slot])], max_new_tokens, tuple(stop_ids), [],
+                             self.pool.table()[slot], [], start))
+    self.stats["extensions"] += 1
+
+  def _park(self, slot: int) -> None:
+    """The slot keeps its pages but stops decoding (an episode waiting for its environment)."""
+    self._epoch_B[slot] += 1
+    if self.host.active_B[slot]:
+      self._rows[slot] = (0, 0, 0, 0, 0, ())  # last, pos, seq, left, active=False, no stop ids
+    self.host.active_B[slot] = False
+
   def _released(self, slot: int) -> None:
     """Host side of a freed slot (pool already freed): the device must stop decoding it if it may be live."""
     self._epoch_B[slot] += 1
@@ -364,19 +390,20 @@ class RolloutEngine:
   # -- the loop ------------------------------------------------------------------------------------
 
   def run(self, requests: Sequence[Request], on_chunk: Callable[[RolloutEngine], None] | None = None, *,
-          key: jax.Array | None = None, sampling: SamplingConfig | None = None, seq_base: int = 0) -> list[Sample]:
+          key: jax.Array | None = None, sampling: SamplingConfig | None = None, seq_base: int = 0,
+          turns=None) -> list[Sample]:
     """Generates every request's n samples; returns them request-major. `on_chunk(engine)` runs
     between decode chunks, e.g. to `update_weights` (which then lands under its policy). `key`
     replaces the engine's sampling key from now on (the RL loop gives each step its own); `sampling`
     replaces `ecfg.sampling` for this call only (e.g. greedy evaluation); sequence ids (with the key,
     they fix the sampling keys) count from `seq_base`."""
-    with self.stream(on_chunk, key=key, sampling=sampling) as stream:
+    with self.stream(on_chunk, key=key, sampling=sampling, turns=turns) as stream:
       stream.add(requests, 0, seq_base=seq_base)
       return stream.run_until(0)
 
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
-             key: jax.Array | None = None, sampling: SamplingConfig | None = None):
+             key: jax.Array | None = None, sampling: SamplingConfig | None = None, turns=None):
     """A `scheduler.Stream` open for the `with` block: batches added and returned while others decode.
     One stream generates at a time; another may open inside it (e.g. `run` for an evaluation) only
     while it is idle, and the outer stream's key and sampling come back after it."""
@@ -388,7 +415,7 @@ class RolloutEngine:
       self.key = key
     self.sampling = sampling or self.ecfg.sampling
     self._running = True
-    stream = self._stream = Stream(self, on_chunk, on_group)
+    stream = self._stream = Stream(self, on_chunk, on_group, turns)  # turns: episodes.py
     try:
       yield stream
       stream.close()

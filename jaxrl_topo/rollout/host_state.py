@@ -48,6 +48,7 @@ class _Wave:
   copies: list[tuple[int, int]]
   table_M: np.ndarray  # the prompt's pages (and the first slot's decode pages)
   later: list[tuple[int, int]]  # (seq id, pin id) of samples sampled now, started later from the pin
+  start: int = 0  # position of prompt_ids[0]: > 0 continues a slot's pages (an episode's next turn)
 
 
 @dataclasses.dataclass

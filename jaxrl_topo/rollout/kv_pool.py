@@ -252,6 +252,13 @@ class PagePool:
                        f"past {cap} allocated; call ensure_capacity first")
     self._len_B[slot] += n
 
+  def rewind(self, slot: int, n: int) -> None:
+    """Positions >= n may be written again (an episode's turn cut at a stop string); pages stay allocated."""
+    slot = self._check_active(slot, "rewind")
+    if not 0 < n <= self._len_B[slot] + 1:
+      raise ValueError(f"rewind slot {slot} (seq {self._seq_B[slot]!r}) to {n}: it holds {self._len_B[slot]} tokens")
+    self._len_B[slot] = min(n, self._len_B[slot])
+
   def free(self, slot: int) -> list[int]:
     """Releases the slot; returns the pages whose refcount reached 0 (back on the free list)."""
     slot = self._check_active(slot, "free")

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxrl_topo.rollout import episodes
 from jaxrl_topo.rollout.kv_pool import OutOfPages
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class Request:
   max_new_tokens: int = 64
   stop_ids: tuple[int, ...] = ()  # extra stop tokens besides the engine's eos_ids
   stop_strings: tuple[str, ...] = ()  # stop once the completion's text contains one (needs detokenize)
+  # > 0: an episode (episodes.py) of at most this many model turns; max_new_tokens then bounds every
+  # token after the prompt, the model's and the environment's
+  max_turns: int = 0
 
 
 @dataclasses.dataclass
@@ -43,7 +47,9 @@ class Sample:
   tokens: list[int]
   logprobs: list[float]
   gen_ids: list[int]
-  finish_reason: str = ""  # "stop" | "length"
+  finish_reason: str = ""  # "stop" | "length"; episodes also "turns" (turn limit) or the environment's reason
+  loss_mask: list[int] = dataclasses.field(default_factory=list)  # per token: 1 sampled, 0 appended (episodes)
+  turns: int = 0  # model turns ended (episodes)
 
 
 def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
@@ -66,6 +72,8 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
       raise ValueError(f"request {r}: at most {MAX_STOP_IDS} stop ids")
     if req.stop_strings and (eng.detokenize is None or not all(req.stop_strings)):
       raise ValueError(f"request {r}: stop strings need non-empty strings and an engine built with detokenize=")
+    if req.max_turns < 0:
+      raise ValueError(f"request {r}: max_turns must be >= 0 (0: a plain completion, not an episode)")
     if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= eng.cfg.vocab_size:
       raise ValueError(f"request {r}: token ids must lie in [0, {eng.cfg.vocab_size})")
 
@@ -84,9 +92,9 @@ class Stream:
   under their policy at the next iteration. `close()` needs nothing live.
   """
 
-  def __init__(self, engine: RolloutEngine, on_chunk=None, on_group=None):
-    self.engine, self.on_chunk, self.on_group = engine, on_chunk, on_group
-    self.loop = _Loop(engine, self._finished)
+  def __init__(self, engine: RolloutEngine, on_chunk=None, on_group=None, turns=None):
+    self.engine, self.on_chunk, self.on_group, self.turns = engine, on_chunk, on_group, turns
+    self.loop = _Loop(engine, self._finished, self._turn_ended)
     self.inflight = None
     self.batches: dict = {}  # tag -> (first request index, count, requests still unfinished)
     self._tag_of: dict[int, object] = {}  # request index -> tag
@@ -97,6 +105,8 @@ class Stream:
     if tag in self.batches:
       raise ValueError(f"batch {tag!r} is already in the stream")
     check_requests(self.engine, requests)
+    if self.turns is None and any(req.max_turns for req in requests):
+      raise ValueError("episodes (max_turns > 0) need a stream opened with turns= (episodes.py)")
     first = self.loop.extend(requests, seq_base)
     self.batches[tag] = [first, len(requests), len(requests)]
     for r in range(first, first + len(requests)):
@@ -110,11 +120,20 @@ class Stream:
       req = self.loop.requests[r]
       self.on_group(tag, r - entry[0], [self.loop.out[(r, i)] for i in range(req.n)])
 
+  def _turn_ended(self, r: int, i: int, turn_start: int) -> None:
+    tag = self._tag_of[r]
+    self.turns.submit((tag, r - self.batches[tag][0], i), self.loop.out[(r, i)], turn_start)
+
+  def _replies(self, block: bool) -> None:
+    """Environment replies that are ready (all of them, waiting for one when `block`): next turns or ends."""
+    for (tag, r, i), tokens, reason in self.turns.poll(block):
+      episodes.reply(self.loop, self.batches[tag][0] + r, i, tokens, reason)
+
   def pending(self, tag) -> bool:
     return self.batches[tag][2] > 0
 
   def busy(self) -> bool:
-    return bool(self.loop.queue or self.loop.live or self.loop.pinned or self.inflight is not None)
+    return bool(self.loop.queue or self.loop.live or self.loop.pinned or self.loop.waiting or self.inflight is not None)
 
   def run_until(self, tag) -> list[Sample]:
     """Decodes until batch `tag` is finished; returns its samples request-major and forgets the batch."""
@@ -138,6 +157,8 @@ class Stream:
   def _iterate(self) -> None:
     """One iteration: land weights, admit, reserve, dispatch chunk k+1, then read chunk k."""
     eng, loop = self.engine, self.loop
+    if loop.waiting:  # block only when nothing else can move
+      self._replies(block=not (loop.live or loop.queue or loop.pinned or self.inflight is not None))
     if eng._pending is not None and (eng._pending.policy != "finish_on_old" or not loop.live):
       loop.land_update()
     # Pages for the unread chunk's writes and the next one's. Short chunks while requests wait (a
@@ -167,7 +188,7 @@ class Stream:
   def close(self) -> None:
     """Ends the stream: the last dispatched chunk is read, then a pending update lands. Sequences still
     queued or live are an error (their batch was never asked for)."""
-    if self.loop.queue or self.loop.live or self.loop.pinned:
+    if self.loop.queue or self.loop.live or self.loop.pinned or self.loop.waiting:
       raise RuntimeError(f"stream closed with batches {list(self.batches)} unfinished; run_until or drain first")
     self.drain()
     if self.engine._pending is not None:
@@ -178,8 +199,11 @@ class Stream:
 class _Loop:
   """The state of one `run`: queue of groups to admit, live slots, samples so far."""
 
-  def __init__(self, engine: RolloutEngine, on_finished=lambda r: None):
-    self.engine, self.on_finished = engine, on_finished
+  def __init__(self, engine: RolloutEngine, on_finished=lambda r: None, on_turn=None):
+    self.engine, self.on_finished, self.on_turn = engine, on_finished, on_turn
+    # episodes (episodes.py): (request, sample) -> its parked slot, or None once preempted while waiting
+    self.waiting: dict[tuple[int, int], int | None] = {}
+    self.turn_start: dict[tuple[int, int], int] = {}  # (request, sample) -> index of its turn's first token
     self.requests: list[Request | None] = []  # None once its batch is returned
     self.base: list[int] = []  # sequence id of request r's sample i = base[r] + i
     self.left: list[int] = []  # samples of request r not finished yet
@@ -236,7 +260,8 @@ class _Loop:
       for i in samples:
         if not resume:
           sample = self.out[(r, i)]
-          sample.tokens, sample.logprobs, sample.gen_ids = [], [], []
+          sample.tokens, sample.logprobs, sample.gen_ids, sample.loss_mask, sample.turns = [], [], [], [], 0
+          self.turn_start[(r, i)] = 0
       for slot, i in zip(slots, now, strict=True):
         self.live[slot] = (r, i)
       if later:
@@ -293,9 +318,13 @@ class _Loop:
     sample.tokens += tokens
     sample.logprobs += logprobs
     sample.gen_ids += gen_ids
-    cut = _stop_string_end(sample.tokens, start, req.stop_strings, eng.detokenize) if req.stop_strings else None
+    sample.loss_mask += [1] * len(tokens)
+    t0 = self.turn_start.get((r, i), 0)  # stop strings are looked for in this turn's text only
+    cut = _stop_string_end(sample.tokens[t0:], start - t0, req.stop_strings, eng.detokenize) if req.stop_strings \
+        else None
     if cut is not None:
-      del sample.tokens[cut:], sample.logprobs[cut:], sample.gen_ids[cut:]
+      cut += t0
+      del sample.tokens[cut:], sample.logprobs[cut:], sample.gen_ids[cut:], sample.loss_mask[cut:]
       sample.finish_reason = "stop"
     elif not eng.host.active_B[slot]:
       last = sample.tokens[-1]
@@ -303,8 +332,17 @@ class _Loop:
     else:
       return
     del self.live[slot]
+    if req.max_turns and sample.finish_reason == "stop":  # an episode's turn: its environment answers next
+      sample.turns += 1
+      eng._park(slot)
+      self.waiting[(r, i)] = slot
+      self.on_turn(r, i, t0)
+      return
     eng.free(slot)
-    eng.stats["finished"] += 1
+    self.finish(r)
+
+  def finish(self, r: int) -> None:
+    self.engine.stats["finished"] += 1
     self.left[r] -= 1
     if not self.left[r]:
       self.on_finished(r)
@@ -322,12 +360,19 @@ class _Loop:
             self.drop_pins()
             continue
           seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
+          parked = {eng.pool.seq_id(s): key for key, s in self.waiting.items() if s is not None}
           for seq in eng.pool.preempt_youngest(err.needed, err.shard):
+            eng.stats["preemptions"] += 1
+            if seq in parked:  # an episode waiting for its environment: it resumes when the reply comes
+              eng._released(self.waiting[parked[seq]])
+              self.waiting[parked[seq]] = None
+              continue
             victim = seq_to_slot[seq]
             r, i = self.live.pop(victim)
             eng._released(victim)
-            self.queue.appendleft((r, [i], False))  # recomputed from scratch later: same keys, same tokens
-            eng.stats["preemptions"] += 1
+            # recomputed later: same keys, same tokens (an episode resumes from its tokens so far, whose
+            # environment turns must not run again)
+            self.queue.appendleft((r, [i], bool(self.requests[r].max_turns)))
 
   def land_update(self) -> None:
     """Applies pending weights; under abort_and_resume every live sequence is requeued to resume."""
@@ -339,6 +384,11 @@ class _Loop:
         self.queue.appendleft((r, [i], True))
         eng.stats["aborted"] += 1
       self.live.clear()
+      for key, slot in self.waiting.items():  # waiting episodes re-prefill when their reply comes
+        if slot is not None:
+          eng.free(slot)
+          self.waiting[key] = None
+          eng.stats["aborted"] += 1
     eng._swap()
 
 

@@ -64,6 +64,7 @@ def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, 
   Nd = Bd if rows_d <= Bd else max(Bd + B, _pow2(rows_d))  # slotted rows <= B/D, later ones < B
   Cd = _pow2(max(1, _part_size(waves, shard_w, D, lambda w: len(w.copies))))
   tokens_GT, lengths_G = np.full((D * Gd, T), pad_id, np.int32), np.ones((D * Gd,), np.int32)
+  start_G = np.zeros((D * Gd,), np.int32)
   table_GM = np.full((D * Gd, pool.max_pages_per_seq), -1, np.int32)
   src_C, dst_C = np.zeros((D * Cd,), np.int32), np.full((D * Cd,), pool.n_pages, np.int32)
   prompt_N, slot_N = np.zeros((D * Nd,), np.int32), np.full((D * Nd,), Bd, np.int32)
@@ -75,6 +76,7 @@ def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, 
   rows = {}
   for w, d, g in zip(waves, shard_w, g_w, strict=True):
     tokens_GT[g, : len(w.prompt_ids)], lengths_G[g], table_GM[g] = w.prompt_ids, len(w.prompt_ids), w.table_M
+    start_G[g] = w.start
     for src, dst in w.copies:
       c = next(c_rows)
       src_C[c], dst_C[c] = src, dst
@@ -84,4 +86,4 @@ def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, 
       prompt_N[n], slot_N[n], seq_N[n], left_N[n] = g - d * Gd, slot % Bd if slot < B else Bd, sid, w.max_new_tokens - 1
       stop_NX[n, : len(w.stop_ids)] = w.stop_ids
       rows[n] = (slot, int(epoch_B[slot]) if slot < B else tag, gen_id)
-  return (tokens_GT, lengths_G, table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX), rows
+  return (tokens_GT, lengths_G, start_G, table_GM, src_C, dst_C, prompt_N, slot_N, seq_N, left_N, stop_NX), rows

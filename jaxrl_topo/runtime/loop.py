@@ -79,7 +79,8 @@ def make_batch(exp: Experiment, traj: Trajectories, version: int | None = None) 
                                                     samples[g * G : (g + 1) * G]) for g in range(len(samples) // G)],
                                                 n_micro) for j in range(G)]
     samples, rewards, prompts = [samples[i] for i in order], rewards[order], [prompts[i] for i in order]
-  comps = [Completion(p, s.tokens, float(r), s.logprobs) for p, s, r in zip(prompts, samples, rewards, strict=True)]
+  comps = [Completion(p, s.tokens, float(r), s.logprobs, s.loss_mask) for p, s, r in zip(prompts, samples, rewards,
+                                                                                        strict=True)]
   if budget:
     rows, row_len = plan_rows([len(c.prompt) + len(c.response) for c in comps], n_micro, budget,
                               multiple=exp.dp_width)

@@ -51,10 +51,15 @@ class Completion:
   response: Sequence[int]
   reward: float
   sampler_logp: Sequence[float]  # one per response token
+  # one per response token, 0 = not the model's (an episode's environment tokens: no loss, advantage 0);
+  # empty = every token counts
+  loss_mask: Sequence[float] = ()
 
   def __post_init__(self):
     if len(self.sampler_logp) != len(self.response):
       raise ValueError(f"sampler_logp has {len(self.sampler_logp)} entries for {len(self.response)} response tokens")
+    if len(self.loss_mask) not in (0, len(self.response)):
+      raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.response)} response tokens")
     if not self.prompt:
       raise ValueError("a completion needs a non-empty prompt (the first response token is predicted from it)")
 
@@ -162,7 +167,7 @@ def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, r
       # Response token t sits at off + len(prompt) + t; the logits one position earlier predict it.
       out["gather_MBT"][m, b, :k] = r * S + off + len(c.prompt) - 1 + np.arange(k)
       out["targets_MBT"][m, b, :k] = c.response
-      out["mask_MBT"][m, b, :k] = 1.0
+      out["mask_MBT"][m, b, :k] = c.loss_mask if len(c.loss_mask) else 1.0
       out["rewards_MB"][m, b] = c.reward
       out["sampler_logp_MBT"][m, b, :k] = c.sampler_logp
       if old is not None:

@@ -1,0 +1,172 @@
+"""Multi-turn episodes in the rollout engine (rollout/episodes.py): token in, token out.
+
+A scripted environment answers every model turn with fixed tokens. The reference for every sampled
+token is a fresh engine given the whole history so far as its prompt (same sequence id, so the same
+sampling keys): continuing from the pages must give exactly what a full re-prefill gives.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_topo.models.model import init_params
+from jaxrl_topo.models.presets import get_preset
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.train.batch import Completion, build_batch
+from jaxrl_topo.train.policy import model_fns, sequence_logprobs
+
+TINY = get_preset("tiny")
+SAMPLING = SamplingConfig(temperature=0.7, top_k=20)
+EOS = (2,)
+STOP = (88, 22, 61, 73)  # a model turn also ends at these (frequent ids of this model; "</calc>" stand-ins)
+
+
+class Scripted:
+  """Replies REPLY + [turn] to every turn, `done_after` turns -> None ("done"); records what it saw."""
+
+  REPLY = [40, 41, 42]
+
+  def __init__(self, done_after=10, fail_on=None):
+    self.done_after, self.fail_on = done_after, fail_on
+    self.ready, self.seen = [], []
+
+  def submit(self, key, sample, turn_start):
+    self.seen.append((key, list(sample.tokens[turn_start:])))
+    turn = sample.turns
+    if self.fail_on == turn:
+      self.ready.append((key, None, "env_error"))
+    elif turn >= self.done_after:
+      self.ready.append((key, None, "stop"))
+    else:
+      self.ready.append((key, self.REPLY + [50 + turn], ""))
+
+  def poll(self, block):
+    out, self.ready = self.ready, []
+    assert out or not block, "the stream blocked with no reply coming"
+    return out
+
+
+def _engine(params, **kw):
+  graphdef, p = params
+  cfg = dict(n_slots=4, page_size=4, n_pages=96, max_len=96, decode_chunk=4, tail_chunk=4, sampling=SAMPLING,
+             eos_ids=EOS)
+  return RolloutEngine(graphdef, TINY, p, EngineConfig(**{**cfg, **kw}))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  graphdef, params = init_params(TINY, jax.random.key(0))
+  return graphdef, jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+
+
+@pytest.fixture(scope="module")
+def episodes(tiny):
+  """4 prompts x 2 samples, up to 3 turns, 40 tokens per episode."""
+  rng = np.random.RandomState(0)
+  prompts = [rng.randint(3, 96, rng.randint(3, 10)).tolist() for _ in range(4)]
+  reqs = [Request(p, n=2, max_new_tokens=40, stop_ids=STOP, max_turns=3) for p in prompts]
+  env = Scripted()
+  eng = _engine(tiny)
+  return prompts, eng.run(reqs, turns=env, seq_base=100), env, eng
+
+
+def _turns(sample):
+  """[(start, end)] of the model's runs of tokens."""
+  m = np.asarray(sample.loss_mask)
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
+  return list(zip(edges[::2], edges[1::2], strict=True))
+
+
+def test_env_tokens_are_the_replies_masked_and_ids_are_what_was_sampled(episodes):
+  prompts, samples, env, eng = episodes
+  assert eng.stats["extensions"] > 0
+  multi = 0
+  for s in samples:
+    assert len(s.tokens) == len(s.logprobs) == len(s.gen_ids) == len(s.loss_mask) <= 40
+    runs = _turns(s)
+    assert len(runs) == s.turns or s.finish_reason == "length"
+    for t, (_, b) in enumerate(runs[:-1]):  # between two model turns: exactly the reply to the first
+      assert s.tokens[b : runs[t + 1][0]] == Scripted.REPLY + [50 + t + 1]
+      assert not any(s.logprobs[b : runs[t + 1][0]])
+      assert s.tokens[b - 1] in EOS + STOP, "a turn ends at EOS or a stop id"
+    multi += len(runs) > 1
+  assert multi >= 4, "most episodes should run several turns"
+  # what the environment was shown is each model turn, token for token
+  for (_, r, i), turn in env.seen:
+    s = samples[2 * r + i]
+    assert any(s.tokens[a:b] == turn for a, b in _turns(s))
+
+
+def test_each_turn_continues_exactly_like_a_reprefill_of_the_history(tiny, episodes):
+  """Turn k+1's tokens from the pages == a fresh engine prompted with prompt + everything before it."""
+  prompts, samples, _, _ = episodes
+  checked = 0
+  for n, s in enumerate(samples):
+    runs = _turns(s)
+    for a, b in runs[1:]:
+      history = prompts[n // 2] + s.tokens[:a]
+      ref = _engine(tiny).run([Request(history, max_new_tokens=b - a, stop_ids=STOP)], seq_base=100 + n)[0]
+      assert ref.tokens == s.tokens[a:b]
+      np.testing.assert_allclose(ref.logprobs, s.logprobs[a:b], atol=2e-5)
+      checked += 1
+  assert checked >= 4
+
+
+def test_sampler_logprobs_equal_trainer_logprobs_on_episodes(tiny, episodes):
+  prompts, samples, _, _ = episodes
+  graphdef, params = tiny
+  comps = [Completion(prompts[n // 2], s.tokens, 0.0, s.logprobs, s.loss_mask) for n, s in enumerate(samples)]
+  batch = build_batch(comps, n_micro=1, rows=len(comps), row_len=64, resp_len=40, pack=False)
+  rows = (batch.tokens_MRS[0], batch.positions_MRS[0], batch.segment_ids_MRS[0])
+  logp, _, _ = sequence_logprobs(model_fns(graphdef), params, rows, batch.gather_MBT[0], batch.targets_MBT[0],
+                                 temperature=SAMPLING.temperature, chunk=16)
+  mask = batch.mask_MBT[0]
+  for n, s in enumerate(samples):  # the trainer's ids are the sampled ids; env tokens carry mask 0
+    assert batch.targets_MBT[0][n, : len(s.tokens)].tolist() == s.tokens
+    np.testing.assert_array_equal(mask[n, : len(s.tokens)], s.loss_mask)
+  assert 0 < mask.sum() < sum(len(s.tokens) for s in samples)
+  on = mask > 0
+  diff = np.abs(np.asarray(logp)[on] - batch.sampler_logp_MBT[0][on])
+  assert diff.max() < 1e-5, f"sampler vs trainer log-prob gap {diff.max():.2e} on episodes"
+
+
+def test_turn_and_token_limits_say_which(tiny):
+  prompt = [5, 6, 11, 12, 13]
+  eng = _engine(tiny)
+  every = STOP
+  reqs = [Request(prompt, n=2, max_new_tokens=60, stop_ids=every, max_turns=2)]
+  turns = eng.run(reqs, turns=Scripted(), seq_base=7)
+  short = eng.run([Request(prompt, n=2, max_new_tokens=8, stop_ids=every, max_turns=5)], turns=Scripted(),
+                  seq_base=7)
+  done = eng.run([Request(prompt, n=2, max_new_tokens=60, stop_ids=every, max_turns=5)],
+                 turns=Scripted(done_after=1), seq_base=7)
+  failed = eng.run([Request(prompt, n=1, max_new_tokens=60, stop_ids=every, max_turns=5)],
+                   turns=Scripted(fail_on=2), seq_base=7)
+  for s in turns:
+    assert s.finish_reason == "turns" and s.turns == 2 and len(_turns(s)) == 2, s
+  for s in short:
+    assert s.finish_reason == "length" and len(s.tokens) <= 8, s
+  for s in done:
+    assert s.finish_reason == "stop" and s.turns == 1, s
+  assert failed[0].finish_reason == "env_error" and failed[0].turns == 2
+  assert eng.pool.stats()["used_pages"] == 0
+
+
+def test_preempted_and_waiting_episodes_resume_to_the_same_tokens(tiny, episodes):
+  prompts, roomy, _, _ = episodes
+  reqs = [Request(p, n=2, max_new_tokens=40, stop_ids=STOP, max_turns=3) for p in prompts]
+  eng = _engine(tiny, n_pages=24, max_len=64)
+  tight = eng.run(reqs, turns=Scripted(), seq_base=100)
+  assert eng.stats["preemptions"] > 0, "the pool was meant to run out"
+  assert [s.tokens for s in tight] == [s.tokens for s in roomy]
+  assert [s.loss_mask for s in tight] == [s.loss_mask for s in roomy]
+  eng.pool.check()
+  assert eng.pool.stats()["used_pages"] == 0
+
+
+def test_episodes_need_a_turn_handler(tiny):
+  with pytest.raises(ValueError, match="turns="):
+    _engine(tiny).run([Request([5, 6], max_new_tokens=4, max_turns=2)])
