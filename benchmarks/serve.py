@@ -28,35 +28,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _wait_live(stub, proc, pb2, timeout_s: float = 300) -> None:
-  import grpc
+def _one(stub, ids, max_tokens) -> tuple[float, int]:
+  from jaxrl_topo.serving import client
 
-  deadline = time.time() + timeout_s
-  while time.time() < deadline:
-    if proc.poll() is not None:
-      proc.log.seek(0)
-      raise RuntimeError(f"the server exited: {proc.log.read()[-3000:]}")
-    try:
-      if stub.HealthCheck(pb2.HealthCheckRequest(), timeout=5).is_live:
-        return
-    except grpc.RpcError:
-      time.sleep(1)
-  raise TimeoutError("the server did not come up")
-
-
-def _one(stub, pb2, ids, max_tokens) -> tuple[float, int]:
   t = time.perf_counter()
-  req = pb2.DecodeRequest(token_content=pb2.DecodeRequest.TokenContent(token_ids=ids), max_tokens=max_tokens)
-  n = sum(len(r.stream_content.samples[0].token_ids) for r in stub.Decode(req, timeout=600))
+  n = len(client.decode_ids(stub, ids, max_tokens))
   return time.perf_counter() - t, n
 
 
-def run_clients(stub, pb2, clients: int, n_requests: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+def run_clients(stub, clients: int, n_requests: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
   rng = np.random.default_rng(clients)
   prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(n_requests)]
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-    results = list(pool.map(lambda p: _one(stub, pb2, p, max_tokens), prompts))
+    results = list(pool.map(lambda p: _one(stub, p, max_tokens), prompts))
   wall = time.perf_counter() - t0
   lat = np.asarray([r[0] for r in results])
   tokens = sum(r[1] for r in results)
@@ -77,15 +62,12 @@ def main() -> None:
   ap.add_argument("--port", type=int, default=0)
   args = ap.parse_args()
 
-  import grpc
   import jax
-  from jetstream.core.proto import jetstream_pb2 as pb2
-  from jetstream.core.proto import jetstream_pb2_grpc
 
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.models.fresh import write_fresh_model
   from jaxrl_topo.models.presets import get_preset
-  from jaxrl_topo.serving import server
+  from jaxrl_topo.serving import client, server
 
   model = args.model
   if model is None:
@@ -98,13 +80,12 @@ def main() -> None:
          f"--max_new_tokens={args.max_tokens}"]
   log = open(os.path.join(tempfile.mkdtemp(prefix="serve_log_"), "server.log"), "w+")  # noqa: SIM115
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-  proc.log = log
   try:
-    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
-    _wait_live(stub, proc, pb2)
-    run_clients(stub, pb2, 4, 8, args.prompt_len, args.max_tokens, vocab)  # warm-up: compiles every bucket
+    stub = client.connect(port)
+    client.wait_live(stub, proc=proc, log=log)
+    run_clients(stub, 4, 8, args.prompt_len, args.max_tokens, vocab)  # warm-up: compiles every bucket
     for c in (int(x) for x in args.clients.split(",")):
-      row = run_clients(stub, pb2, c, max(args.requests, 2 * c), args.prompt_len, args.max_tokens, vocab)
+      row = run_clients(stub, c, max(args.requests, 2 * c), args.prompt_len, args.max_tokens, vocab)
       row.update(model=model if args.model else f"random {args.preset} (untied)", slots=args.slots,
                  prompt_len=args.prompt_len, max_tokens=args.max_tokens, device=f"{jax.devices()[0].platform}",
                  jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
@@ -117,8 +98,8 @@ def main() -> None:
       proc.send_signal(signal.SIGUSR1)
       time.sleep(2)
       proc.kill()
-      proc.log.seek(0)
-      print(proc.log.read()[-6000:], file=sys.stderr)
+      log.seek(0)
+      print(log.read()[-6000:], file=sys.stderr)
       raise
 
 

@@ -10,10 +10,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
-import grpc
-from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+from jetstream.core.proto import jetstream_pb2
+
+from jaxrl_topo.serving import client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -33,16 +33,8 @@ def _serve_once(cmd: str, cwd, env, log_path) -> None:
     proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-      stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
-      deadline = time.time() + 300
-      while True:
-        try:
-          if stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=5).is_live:
-            break
-        except grpc.RpcError:
-          log.seek(0)
-          assert proc.poll() is None and time.time() < deadline, f"{cmd}:\n{log.read()[-3000:]}"
-          time.sleep(1)
+      stub = client.connect(port)
+      client.wait_live(stub, proc=proc, log=log)
       req = jetstream_pb2.DecodeRequest(text_content=jetstream_pb2.DecodeRequest.TextContent(text="abc"),
                                         max_tokens=4)
       list(stub.Decode(req, timeout=120))

@@ -26,7 +26,7 @@ from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
-from jaxrl_topo.serving import server
+from jaxrl_topo.serving import client, server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_NEW = 12
@@ -59,9 +59,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _ask(stub, ids, max_tokens=MAX_NEW) -> list[int]:
-  req = jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids),
-                                    max_tokens=max_tokens)
-  return [t for resp in stub.Decode(req, timeout=120) for t in resp.stream_content.samples[0].token_ids]
+  return client.decode_ids(stub, ids, max_tokens, timeout_s=120)
 
 
 def _reference(js_engine, params, prompts, max_new: int = MAX_NEW) -> list[list[int]]:
@@ -130,7 +128,7 @@ def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
   port = server.free_port()
   srv = server.start(js_engine, port)
   try:
-    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    stub = client.connect(port)
     prompts = _prompts(16, js_engine.engine.cfg.vocab_size, seed=3)
     want_old, want_new = _reference(js_engine, old, prompts), _reference(js_engine, new, prompts)
     differ = sum(a != b for a, b in zip(want_old, want_new, strict=True))
@@ -187,15 +185,8 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
     return log.read()[-3000:]
 
   try:
-    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
-    deadline = time.time() + 180
-    while True:
-      try:
-        if stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=5).is_live:
-          break
-      except grpc.RpcError:
-        assert proc.poll() is None and time.time() < deadline, output()
-        time.sleep(1)
+    stub = client.connect(port)
+    client.wait_live(stub, proc=proc, log=log, timeout_s=180)
     assert len(_ask(stub, [5, 6, 7], max_tokens=4)) <= 4
     busy = subprocess.run([*launcher, f"--model={model_dir}", f"--port={port}"], capture_output=True, text=True,
                           timeout=180)
@@ -234,7 +225,7 @@ def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
   srv = server.start(js_engine, port)
   stop = threading.Event()
   try:
-    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    stub = client.connect(port)
     prompt = tokenizer.encode("reverse: abc", add_special_tokens=True)
     assert _ask(stub, prompt) == _reference(js_engine, trained, [prompt])[0]
     # The run goes on while it is served: --follow_s swaps its step-4 checkpoint in (gen_id 4).
@@ -266,7 +257,7 @@ def test_a_sharded_rollout_mesh_serves_the_same_tokens(model_dir, served):
   port = server.free_port()
   srv = server.start(js_engine, port)
   try:
-    stub = jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"localhost:{port}"))
+    stub = client.connect(port)
     prompts = _prompts(8, js_engine.engine.cfg.vocab_size, seed=4)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       got = list(pool.map(lambda p: _ask(stub, p), prompts))
