@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-TASK_NAMES = ("arithmetic", "countdown", "reversal")
+from jaxrl_topo.data import tool_calc
+
+TASK_NAMES = ("arithmetic", "countdown", "reversal", "tool_calc")
 ARITHMETIC_OPS = "+-*"
 _MAX_COUNTDOWN_CHARS = 256  # a longer completion cannot be an expression over a handful of numbers
 
@@ -123,8 +125,15 @@ def _reversal(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:
   return {"prompt": f"reverse {s}=", "answer": s[::-1], "task": "reversal"}
 
 
+def _tool_calc(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:
+  """tool_calc.py: a op b with operands in [10, max_operand], for the calculator environment."""
+  a, b = (int(x) for x in rng.integers(10, max(cfg.max_operand, 10) + 1, size=2))
+  op = cfg.ops[int(rng.integers(len(cfg.ops)))]
+  return tool_calc.make_example(a, op, b, bool(rng.random() < tool_calc.TOOL_DEMO_P))
+
+
 _GENERATORS: dict[str, Callable[[TaskConfig, np.random.Generator], dict[str, Any] | None]] = {
-  "arithmetic": _arithmetic, "countdown": _countdown, "reversal": _reversal}
+  "arithmetic": _arithmetic, "countdown": _countdown, "reversal": _reversal, "tool_calc": _tool_calc}
 
 
 def _space_size(cfg: TaskConfig) -> int | None:
@@ -133,6 +142,8 @@ def _space_size(cfg: TaskConfig) -> int | None:
     return (cfg.max_operand + 1) ** 2 * len(cfg.ops)
   if cfg.name == "reversal":
     return len(cfg.alphabet) ** cfg.length
+  if cfg.name == "tool_calc":
+    return (max(cfg.max_operand, 10) - 9) ** 2 * len(cfg.ops)
   return None
 
 
@@ -224,7 +235,8 @@ def _verify_exact(completion: str, example: Mapping[str, Any]) -> float:
 
 # "exact" scores any dataset whose rows carry "task": "exact" and a reference "answer".
 VERIFIERS: dict[str, Callable[[str, Mapping[str, Any]], float]] = {
-  "arithmetic": _verify_exact, "countdown": _verify_countdown, "reversal": _verify_exact, "exact": _verify_exact}
+  "arithmetic": _verify_exact, "countdown": _verify_countdown, "reversal": _verify_exact, "exact": _verify_exact,
+  "tool_calc": tool_calc.verify}
 
 
 def verify(task: str, completion: str, example: Mapping[str, Any]) -> float:

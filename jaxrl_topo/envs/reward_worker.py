@@ -40,9 +40,9 @@ def worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
 class Worker:
   """One worker process and the parent's end of its pipe, plus the call it is running, if any."""
 
-  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float):
+  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float, target=None):
     self.conn, child_conn = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=worker_main, args=(child_conn, sys_path, paths), daemon=True,
+    self.proc = ctx.Process(target=target or worker_main, args=(child_conn, sys_path, paths), daemon=True,
                             name="reward-worker")
     self.proc.start()
     child_conn.close()

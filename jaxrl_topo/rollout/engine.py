@@ -391,15 +391,15 @@ class RolloutEngine:
 
   def run(self, requests: Sequence[Request], on_chunk: Callable[[RolloutEngine], None] | None = None, *,
           key: jax.Array | None = None, sampling: SamplingConfig | None = None, seq_base: int = 0,
-          turns=None) -> list[Sample]:
+          turns=None, tag=0) -> list[Sample]:
     """Generates every request's n samples; returns them request-major. `on_chunk(engine)` runs
     between decode chunks, e.g. to `update_weights` (which then lands under its policy). `key`
     replaces the engine's sampling key from now on (the RL loop gives each step its own); `sampling`
     replaces `ecfg.sampling` for this call only (e.g. greedy evaluation); sequence ids (with the key,
     they fix the sampling keys) count from `seq_base`."""
     with self.stream(on_chunk, key=key, sampling=sampling, turns=turns) as stream:
-      stream.add(requests, 0, seq_base=seq_base)
-      return stream.run_until(0)
+      stream.add(requests, tag, seq_base=seq_base)  # tag: names the batch to `turns` (episodes.py)
+      return stream.run_until(tag)
 
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,

@@ -241,6 +241,23 @@ class SyncSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+  """Multi-turn episodes with an environment (envs/env.py, rollout/episodes.py); fn="" = single-turn.
+  With an environment its episode return is the reward (reward.fn / reward.extra are not used)."""
+
+  fn: str = ""  # "calc" (data/tool_calc.py) or "pkg.module:Env"
+  max_turns: int = 4  # model turns per episode; rollout.max_new_tokens bounds all tokens after the prompt
+  role: str = "user"  # the chat role the environment's observations are rendered as
+  n_workers: int = 2  # environment worker processes; 0 = in the controller (no timeout)
+  timeout_s: float = 10.0  # per call; a hung environment is killed and its episode scored `error_score`
+  error_score: float = 0.0
+
+  def __post_init__(self):
+    if self.max_turns < 1 or self.n_workers < 0 or not self.timeout_s > 0:
+      raise ValueError("env: max_turns >= 1, n_workers >= 0, timeout_s > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   model: ModelSpec
   data: PromptDataConfig
@@ -253,6 +270,7 @@ class RunConfig:
   run: RunSpec
   train: TrainSpec = TrainSpec()
   sync: SyncSpec = SyncSpec()
+  env: EnvSpec = EnvSpec()
 
   def __post_init__(self):
     mode = self.topology.mode
@@ -287,7 +305,7 @@ class RunConfig:
 
 _SECTIONS = {"model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec, "reward": RewardSpec,
              "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec, "train": TrainSpec,
-             "sync": SyncSpec}
+             "sync": SyncSpec, "env": EnvSpec}
 
 
 def from_config_dict(config: Any) -> RunConfig:
@@ -364,4 +382,5 @@ def base_config_dict():
                     reward_devices=0)
   c.run = _defaults(RunSpec)
   c.sync = _defaults(SyncSpec)
+  c.env = _defaults(EnvSpec)
   return c

@@ -19,7 +19,10 @@ import optax
 from absl import logging
 
 from jaxrl_topo.data import pipeline
+from jaxrl_topo.envs.env import resolve as resolve_env
+from jaxrl_topo.envs.env_pool import EnvPool
 from jaxrl_topo.envs.reward_pool import RewardPool, score_inline
+from jaxrl_topo.envs.turns import EnvTurns, demonstrations
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.fresh import write_fresh_model
@@ -67,9 +70,12 @@ class Experiment:
   resp_len: int
   row_len: int  # prompt + response limit: the row length when completions are not packed
   dp_width: int  # the trainer's data-parallel width: row counts are multiples of it
+  env: EnvTurns | None = None  # env.fn: the engine's turns handler over the environment's worker pool
 
   def close(self) -> None:
     self.rewards.close()
+    if self.env is not None:
+      self.env.pool.close()
 
 
 def model_dir_for(cfg: RunConfig, workdir: str) -> str:
@@ -138,8 +144,11 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
   rc = cfg.run
   dev = train_examples[: rc.sft_dev_size]
   end = tokenizer.encode(cfg.rollout.stop[0]) if cfg.rollout.stop else list(tokenizer.eos_token_ids[:1])
-  pairs = [(ex["prompt_ids"], (tokenizer.encode(str(ex["answer"])) + end)[:resp_len]) for ex in train_examples
+  pairs = [(ex["prompt_ids"], (tokenizer.encode(str(ex["answer"])) + end)[:resp_len], ()) for ex in train_examples
            if ex.get("answer")]
+  if cfg.env.fn:  # multi-turn demonstrations, the environment's replies masked (envs/turns.py)
+    pairs = demonstrations(tokenizer, resolve_env(cfg.env.fn), [ex for ex in train_examples if ex.get("demo_turns")],
+                           chat=cfg.data.chat_template, role=cfg.env.role, resp_len=resp_len)
   if not pairs:
     raise ValueError("run.sft_steps > 0 needs training prompts with reference answers")
   tx = optax.adamw(rc.sft_lr)
@@ -148,7 +157,7 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
   t0 = time.perf_counter()
   for i in range(rc.sft_steps):
     pick = rng.choice(len(pairs), size=rc.sft_batch, replace=len(pairs) < rc.sft_batch)
-    comps = [Completion(pairs[j][0], pairs[j][1], 0.0, [0.0] * len(pairs[j][1])) for j in pick]
+    comps = [Completion(pairs[j][0], pairs[j][1], 0.0, [0.0] * len(pairs[j][1]), pairs[j][2]) for j in pick]
     batch = build_batch(comps, n_micro=1, rows=rc.sft_batch, row_len=row_len, resp_len=resp_len, pack=False)
     params, opt_state, loss = step(params, opt_state, batch)
     if (i + 1) % 10 == 0 or i + 1 == rc.sft_steps:
@@ -229,6 +238,10 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
                          detokenize=detok)
   stop_ids, stop_strings = split_stops(tokenizer, cfg.rollout.stop)
+  env = None
+  if cfg.env.fn:
+    env = EnvTurns(EnvPool(cfg.env.fn, n_workers=cfg.env.n_workers, timeout_s=cfg.env.timeout_s), tokenizer,
+                   chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score)
   dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
@@ -236,4 +249,4 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
                     topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, sync=sync,
                     engine=engine, rewards=rewards, reward_model=reward_model, prompts=prompts, heldout=heldout,
                     stop_ids=stop_ids, stop_strings=stop_strings, resp_len=resp_len, row_len=row_len,
-                    dp_width=dp_width)
+                    dp_width=dp_width, env=env)

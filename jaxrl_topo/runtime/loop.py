@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxrl_topo.rollout.engine import RolloutEngine
 from jaxrl_topo.runtime.experiment import Experiment
-from jaxrl_topo.runtime.rollout_side import Feed, Trajectories, _devices, evaluate, rollout, span
+from jaxrl_topo.runtime.rollout_side import Feed, Trajectories, _devices, evaluate, evaluate_metrics, rollout, span
 from jaxrl_topo.runtime.watch import ChunkClock, StepWatch, WallClock
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
@@ -221,7 +221,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
         if feed is not None:
           feed.drain()  # the evaluation needs every slot: the batches added so far finish first
         t = time.perf_counter()
-        m["eval/accuracy"] = evaluate(exp, tag=step + 1)
+        m.update(evaluate_metrics(exp, tag=step + 1))  # eval/accuracy (+ eval/env/... with an environment)
         chunks.reset()  # the evaluation's tokens are no rollout's
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
         wall.exclude(time.perf_counter() - t)

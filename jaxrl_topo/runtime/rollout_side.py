@@ -62,8 +62,19 @@ def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, star
 
 
 def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:
+  turns = exp.cfg.env.max_turns if exp.env is not None else 0  # > 0: episodes (rollout/episodes.py)
   return [Request(ex["prompt_ids"], n=exp.cfg.rl.group_size, max_new_tokens=exp.cfg.rollout.max_new_tokens,
-                  stop_ids=exp.stop_ids, stop_strings=exp.stop_strings) for ex in examples]
+                  stop_ids=exp.stop_ids, stop_strings=exp.stop_strings, max_turns=turns) for ex in examples]
+
+
+def _start_episodes(exp: Experiment, examples: list[dict], tag, group_size: int) -> tuple[list[dict], dict]:
+  """With an environment: each example's prompt is its reset observation (envs/turns.py), and the batch
+  is registered under `tag` for the engine's turns handler. Without one: nothing changes."""
+  if exp.env is None:
+    return examples, {}
+  examples, failed = exp.env.prepare(examples)
+  exp.env.add(tag, examples, group_size)
+  return examples, {"env/reset_errors": failed}
 
 
 def prompt_hash(examples: list[dict]) -> int:
@@ -103,14 +114,19 @@ def finish_scores(exp: Experiment, meta: list[dict], samples: list[Sample], tick
 
 
 def score(exp: Experiment, examples: list[dict], samples: list[Sample],
-          tickets: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+          tickets: list[int] | None = None, tag=None) -> tuple[np.ndarray, np.ndarray, dict]:
   """(shaped rewards, main-function scores, info) for group-major samples of `examples`; `tickets`:
-  their pool scores, already submitted group by group (else submitted now)."""
+  their pool scores, already submitted group by group (else submitted now). With an environment the
+  episodes' returns (batch `tag` of the turns handler) are the reward."""
   G = exp.cfg.rl.group_size
   meta = [examples[i // G] for i in range(len(samples))]
-  if tickets is None:
-    tickets = [submit_scores(exp, meta, samples)]
-  rewards, main, info = finish_scores(exp, meta, samples, tickets)
+  if exp.env is not None:
+    rewards, info = exp.env.take(tag, samples)
+    main = rewards.copy()
+  else:
+    if tickets is None:
+      tickets = [submit_scores(exp, meta, samples)]
+    rewards, main, info = finish_scores(exp, meta, samples, tickets)
   rc = exp.cfg.reward
   if rc.overlong_buffer:  # DAPO soft overlong punishment: linear over the last `buffer` tokens
     limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
@@ -161,14 +177,16 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
   keep, spare, info = [], [], collections.Counter()
   t0 = time.perf_counter()
   for round_ in range(cfg.reward.max_sampling_rounds if cfg.reward.dynamic_sampling else 1):
-    examples = next(exp.prompts)
+    tag = ("batch", step, round_)
+    examples, einfo = _start_episodes(exp, next(exp.prompts), tag, G)
+    info.update(einfo)
     t, gen_id = time.perf_counter(), exp.engine.gen_id
     samples = exp.engine.run(_requests(exp, examples), on_chunk, key=rollout_key(exp),
-                             seq_base=seq_base(exp, step, round_))
+                             seq_base=seq_base(exp, step, round_), turns=exp.env, tag=tag)
     t1 = time.perf_counter()
     info["time/rollout_s"] += t1 - t
     on_span(span("rollout", "rollout", _devices(exp.topology.rollout), step, gen_id, t, t1))
-    rewards, main, rinfo = score(exp, examples, samples)
+    rewards, main, rinfo = score(exp, examples, samples, tag=tag)
     t2 = time.perf_counter()
     info["time/reward_s"] += t2 - t1
     on_span(span("reward", "reward", _reward_devices(exp), step, gen_id, t1, t2))
@@ -220,7 +238,7 @@ class Feed:
     self.added = start  # batches [start, added) were drawn and added
     self.batches: dict[int, _Batch] = {}
     self._last_done = 0.0  # when the previous batch taken finished
-    self._ctx = exp.engine.stream(on_chunk, self._on_group, key=rollout_key(exp))
+    self._ctx = exp.engine.stream(on_chunk, self._on_group, key=rollout_key(exp), turns=exp.env)
     self.stream = self._ctx.__enter__()
 
   def top_up(self, limit: int) -> None:
@@ -228,7 +246,7 @@ class Feed:
     exp = self.exp
     while self.added < limit:
       k = self.added
-      examples = next(exp.prompts)
+      examples, _ = _start_episodes(exp, next(exp.prompts), k, exp.cfg.rl.group_size)
       self.batches[k] = _Batch(examples, exp.prompts.get_state(), time.perf_counter(), exp.engine.gen_id)
       self.stream.add(_requests(exp, examples), k, seq_base=seq_base(exp, k, 0))
       self.added += 1
@@ -236,6 +254,8 @@ class Feed:
 
   def _on_group(self, k: int, g: int, samples: list[Sample]) -> None:
     b = self.batches[k]
+    if self.exp.env is not None:  # the episodes' returns are the reward: nothing to score
+      return
     b.tickets[g] = submit_scores(self.exp, [b.examples[g]] * len(samples), samples)
     b.scored_early += self.stream.pending(k)  # more of the batch is still decoding
 
@@ -249,7 +269,7 @@ class Feed:
     # is later, so the spans tile the rollout side's busy time (one batch's worth of decoding each).
     start, self._last_done = max(b.added_at, self._last_done), t1
     self.on_span(span("rollout", "rollout", _devices(exp.topology.rollout), k, b.gen_id, start, t1))
-    rewards, main, info = score(exp, b.examples, samples, [b.tickets[g] for g in range(len(b.examples))])
+    rewards, main, info = score(exp, b.examples, samples, [b.tickets.get(g) for g in range(len(b.examples))], tag=k)
     t2 = time.perf_counter()
     self.on_span(span("reward", "reward", _reward_devices(exp), k, b.gen_id, t1, t2))
     del self.batches[k]
@@ -278,10 +298,22 @@ class Feed:
 
 def evaluate(exp: Experiment, tag: int = 0) -> float:
   """Held-out accuracy (0..1): the main reward function's mean score, one greedy sample per prompt."""
+  return evaluate_metrics(exp, tag)["eval/accuracy"]
+
+
+def evaluate_metrics(exp: Experiment, tag: int = 0) -> dict:
+  """{"eval/accuracy": held-out accuracy} (one greedy sample per prompt); with an environment, the
+  episodes' returns are the accuracy and its info means come along (eval/env/...)."""
   if not exp.heldout:
-    return float("nan")
-  reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, exp.heldout)]
+    return {"eval/accuracy": float("nan")}
+  meta, etag = exp.heldout, ("eval", tag)
+  meta, _ = _start_episodes(exp, meta, etag, 1)
+  reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, meta)]
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
-  samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None)
-  meta = exp.heldout
-  return float(np.mean(finish_scores(exp, meta, samples, [submit_scores(exp, meta, samples)], main_only=True)[1]))
+  samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None,
+                           turns=exp.env, tag=etag)
+  if exp.env is not None:
+    returns, info = exp.env.take(etag, samples)
+    return {"eval/accuracy": float(np.mean(returns)), **{f"eval/{k}": v for k, v in info.items()}}
+  main = finish_scores(exp, meta, samples, [submit_scores(exp, meta, samples)], main_only=True)[1]
+  return {"eval/accuracy": float(np.mean(main))}

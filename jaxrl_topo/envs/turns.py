@@ -1,0 +1,188 @@
+"""Environments driving the engine's episodes (rollout/episodes.py): the turns handler and chat rendering.
+
+`EnvTurns` is the stream's `turns` handler for a run with `env.fn`. A model turn ends -> its text
+(decoded once, for the environment only) goes to the `EnvPool` with the turns before it; the reply
+comes back as the environment's observation, which is rendered with the chat template's role markers
+and tokenized ONCE (`reply_ids`); those ids are what the engine appends. The model's own tokens are
+never re-tokenized, so the trainer sees exactly the sampled ids.
+
+Rendering a reply: with `messages` the conversation so far and the model's turn text X, the chat
+template renders messages + [assistant X] (no generation prompt) and messages + [assistant X, role
+obs] (with the generation prompt); the reply is the second text after X. A turn that ended with the
+EOS token already holds the template's end-of-turn marker, so that marker is dropped from the reply.
+So prompt + every turn + every reply renders, as text, to apply_chat_template of the whole
+conversation (tests/test_envs.py checks ChatML/Qwen2, Qwen3 and Llama-3 style templates against
+transformers), as long as the template renders earlier turns as it rendered them when they were
+last (Qwen3 drops earlier turns' <think> blocks: the episode keeps the tokens it sampled).
+
+Episode results: the return is the sum of the steps' rewards; an environment that raises, returns
+garbage, dies or hangs past `timeout_s` ends its episode with finish_reason "env_error", return
+`error_score`, counted in `env/errors` / `env/timeouts`; the run goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxrl_topo.envs.env_pool import EnvPool
+from jaxrl_topo.models.tokenizer import Tokenizer
+
+
+def reply_text(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, obs: str, *, role: str = "user",
+               ended_with_eos: bool = False) -> str:
+  """The text to append after a model turn `model_text` for the observation `obs` (module docstring)."""
+  asst = {"role": "assistant", "content": model_text}
+  head = tokenizer.apply_chat_template([*messages, asst], add_generation_prompt=False)
+  full = tokenizer.apply_chat_template([*messages, asst, {"role": role, "content": obs}], add_generation_prompt=True)
+  at = head.rfind(model_text.strip()) + len(model_text.strip()) if model_text.strip() else len(
+      tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+  if model_text.strip() and head.rfind(model_text.strip()) < 0 or full[:at] != head[:at]:
+    raise ValueError("the chat template renders the conversation so far differently once a turn is added; "
+                     "its replies cannot be appended as tokens")
+  text = full[at:]
+  eos = tokenizer.eos_token
+  if ended_with_eos and eos:
+    if not text.lstrip(" \t").startswith(eos):
+      raise ValueError(f"the chat template does not end an assistant turn with EOS {eos!r}")
+    text = text.lstrip(" \t")[len(eos):]
+  return text
+
+
+def reply_ids(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, obs: str, **kw) -> list[int]:
+  return tokenizer.encode(reply_text(tokenizer, messages, model_text, obs, **kw))
+
+
+def first_prompt(tokenizer: Tokenizer, obs: str, chat: bool) -> list[int]:
+  """The episode's prompt: reset's observation as one user turn (the data pipeline's rule, data.chat_template)."""
+  if chat:
+    return tokenizer.apply_chat_template_ids([{"role": "user", "content": obs}])
+  return tokenizer.encode(obs)
+
+
+@dataclasses.dataclass
+class _Episode:
+  example: dict
+  messages: list[dict]
+  texts: list[str] = dataclasses.field(default_factory=list)
+  ret: float = 0.0
+  info: dict = dataclasses.field(default_factory=dict)
+  failed: str = ""  # "error" | "timeout" once the environment failed
+  ended_with_eos: bool = False  # the last model turn ended with the EOS token
+
+
+class EnvTurns:
+  """The engine's `turns` handler for one run (module docstring). `add(tag, examples, group_size)`
+  before a batch's episodes start; `take(tag, samples)` for their returns once they ended."""
+
+  def __init__(self, pool: EnvPool, tokenizer: Tokenizer, *, chat: bool = True, role: str = "user",
+               error_score: float = 0.0):
+    self.pool, self.tok, self.chat, self.role, self.error_score = pool, tokenizer, chat, role, error_score
+    self.batches: dict = {}  # tag -> (examples, group size)
+    self.episodes: dict = {}  # (tag, request, sample) -> _Episode
+    self._backlog: list = []  # pool results that came while waiting for resets
+    eos = tokenizer.eos_token_ids
+    self.eos_ids = set(eos)
+
+  def prepare(self, examples: list[dict]) -> tuple[list[dict], int]:
+    """Resets an environment per example (in the pool) and renders its observation as the prompt:
+    (examples with `prompt_ids` and `env_obs`, resets that failed). A failed reset keeps the
+    example's own prompt; its episode then fails at its first step (scored, counted)."""
+    for j, ex in enumerate(examples):
+      self.pool.submit(("reset", j), ex, [])
+    got = {}
+    while len(got) < len(examples):
+      for key, kind, payload in self.pool.poll(block=True):
+        if isinstance(key, tuple) and key[0] == "reset":
+          got[key[1]] = payload[0] if kind == "ok" else None
+        else:
+          self._backlog.append((key, kind, payload))
+    out = []
+    for j, ex in enumerate(examples):
+      obs = got[j]
+      ids = first_prompt(self.tok, obs, self.chat) if obs is not None else list(ex["prompt_ids"])
+      out.append({**ex, "prompt_ids": ids, "env_obs": obs if obs is not None else ex["prompt"]})
+    return out, sum(v is None for v in got.values())
+
+  def add(self, tag, examples: list[dict], group_size: int) -> None:
+    self.batches[tag] = (examples, group_size)
+
+  def submit(self, key, sample, turn_start: int) -> None:
+    tag, r, i = key
+    ep = self.episodes.get(key)
+    if ep is None:
+      ex = self.batches[tag][0][r]
+      ep = self.episodes[key] = _Episode(ex, [{"role": "user", "content": ex["env_obs"]}])
+    ep.texts.append(self.tok.decode(sample.tokens[turn_start:]))
+    ep.ended_with_eos = bool(sample.tokens) and sample.tokens[-1] in self.eos_ids
+    self.pool.submit(key, ep.example, ep.texts)
+
+  def poll(self, block: bool) -> list:
+    results, self._backlog = self._backlog + self.pool.poll(block=block and not self._backlog), []
+    replies = []
+    for key, kind, payload in results:
+      ep = self.episodes[key]
+      if kind != "ok":
+        ep.failed, ep.ret = kind, self.error_score
+        replies.append((key, None, "env_error"))
+        continue
+      obs, reward, done, info = payload
+      ep.ret += reward
+      ep.info = info
+      if done:
+        replies.append((key, None, "stop"))
+        continue
+      text = ep.texts[-1]
+      try:
+        ids = reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with_eos=ep.ended_with_eos)
+      except Exception:  # the template refused the conversation: the episode cannot go on
+        ep.failed, ep.ret = "error", self.error_score
+        replies.append((key, None, "env_error"))
+        continue
+      ep.messages += [{"role": "assistant", "content": text}, {"role": self.role, "content": obs}]
+      replies.append((key, ids, ""))
+    return replies
+
+  def take(self, tag, samples: list) -> tuple[np.ndarray, dict]:
+    """(returns_N, info) of batch `tag`'s samples (group-major, as the stream returned them); forgets it."""
+    _, G = self.batches.pop(tag)
+    eps = [self.episodes.pop((tag, n // G, n % G), None) for n in range(len(samples))]
+    returns = np.array([ep.ret if ep else 0.0 for ep in eps], np.float32)
+    info = {"env/errors": sum(bool(ep and ep.failed == "error") for ep in eps),
+            "env/timeouts": sum(bool(ep and ep.failed == "timeout") for ep in eps),
+            "env/turns_mean": float(np.mean([s.turns for s in samples])),
+            "env/tokens_mean": float(np.mean([len(s.tokens) for s in samples]))}
+    keys = sorted({k for ep in eps if ep for k, v in ep.info.items() if isinstance(v, int | float)})
+    for k in keys:
+      info[f"env/{k}"] = float(np.mean([float(ep.info.get(k, 0.0)) if ep else 0.0 for ep in eps]))
+    reasons = collections.Counter(s.finish_reason for s in samples)
+    info.update({f"env/finish_{r}": n / len(samples) for r, n in reasons.items()})
+    return returns, info
+
+
+def demonstrations(tokenizer: Tokenizer, make_env, examples: list[dict], *, chat: bool = True, role: str = "user",
+                   resp_len: int) -> list[tuple[list[int], list[int], list[float]]]:
+  """Warm-up episodes from examples' `demo_turns` (model turn texts), built exactly as rollouts are:
+  (prompt ids, response ids, loss mask) with the environment's replies masked. A turn that is not a
+  tool call ends with EOS. Runs the environment in-process (built-in, trusted environments)."""
+  eos = tokenizer.eos_token_ids[0]
+  out = []
+  for ex in examples:
+    env = make_env()
+    obs0 = env.reset(dict(ex))
+    messages, ids, mask = [{"role": "user", "content": obs0}], [], []
+    for text in ex["demo_turns"]:
+      obs, _, done, _ = env.step(text)
+      turn = tokenizer.encode(text) + ([eos] if done else [])
+      ids, mask = ids + turn, mask + [1.0] * len(turn)
+      if done:
+        break
+      reply = reply_ids(tokenizer, messages, text, obs, role=role)
+      messages += [{"role": "assistant", "content": text}, {"role": role, "content": obs}]
+      ids, mask = ids + reply, mask + [0.0] * len(reply)
+    if len(ids) <= resp_len:
+      out.append((first_prompt(tokenizer, obs0, chat), ids, mask))
+  return out
