@@ -7,8 +7,9 @@ and tokenized ONCE (`reply_ids`); those ids are what the engine appends. The mod
 never re-tokenized, so the trainer sees exactly the sampled ids.
 
 Rendering a reply: with `messages` the conversation so far and the model's turn text X, the chat
-template renders messages + [assistant X] (no generation prompt) and messages + [assistant X, role
-obs] (with the generation prompt); the reply is the second text after X. A turn that ended with the
+template renders messages (with the generation prompt: what the model continued) and messages +
+[assistant X, role obs] (with the generation prompt); the second must extend the first with X
+(whitespace a template trims aside), and the reply is its text after X. A turn that ended with the
 EOS token already holds the template's end-of-turn marker, so that marker is dropped from the reply.
 So prompt + every turn + every reply renders, as text, to apply_chat_template of the whole
 conversation (tests/test_envs.py checks ChatML/Qwen2, Qwen3 and Llama-3 style templates against
@@ -35,14 +36,15 @@ from jaxrl_topo.models.tokenizer import Tokenizer
 def reply_text(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, obs: str, *, role: str = "user",
                ended_with_eos: bool = False) -> str:
   """The text to append after a model turn `model_text` for the observation `obs` (module docstring)."""
-  asst = {"role": "assistant", "content": model_text}
-  head = tokenizer.apply_chat_template([*messages, asst], add_generation_prompt=False)
-  full = tokenizer.apply_chat_template([*messages, asst, {"role": role, "content": obs}], add_generation_prompt=True)
-  at = head.rfind(model_text.strip()) + len(model_text.strip()) if model_text.strip() else len(
-      tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
-  if model_text.strip() and head.rfind(model_text.strip()) < 0 or full[:at] != head[:at]:
+  seen = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)  # what the model continued
+  full = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": model_text},
+                                        {"role": role, "content": obs}], add_generation_prompt=True)
+  core = model_text.strip()
+  at = full.find(core, len(seen))
+  if not full.startswith(seen) or at < 0 or full[len(seen):at].strip():
     raise ValueError("the chat template renders the conversation so far differently once a turn is added; "
                      "its replies cannot be appended as tokens")
+  at += len(core)
   text = full[at:]
   eos = tokenizer.eos_token
   if ended_with_eos and eos:
