@@ -19,7 +19,7 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--steps", type=int, default=60)
-  ap.add_argument("--sft_steps", type=int, default=300)
+  ap.add_argument("--sft_steps", type=int, default=600)
   ap.add_argument("--eval_every", type=int, default=20)
   ap.add_argument("--mode", default="colocated")
   ap.add_argument("--out", default="")

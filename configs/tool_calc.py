@@ -1,9 +1,9 @@
-"""GRPO on multi-turn, tool-using episodes: 3-digit multiplication with a calculator (data/tool_calc.py).
+"""GRPO on multi-turn, tool-using episodes: 2-digit multiplication with a calculator (data/tool_calc.py).
 
   python launchers/train.py --config=configs/tool_calc.py --workdir=/tmp/calc
 
 The tiny char-level model (random init) is warmed up on demonstrations in which a quarter of the
-answers call the tool (`<calc>183*815</calc>` -> `<result>149145</result>` -> `149145`) and the rest
+answers call the tool (`<calc>83*15</calc>` -> `<result>1245</result>` -> `1245`) and the rest
 guess from the head; the environment's replies are masked in the warm-up loss as in RL. RL then
 finds that the tool pays: held-out accuracy and the rate of correct tool calls (`eval/env/tool_correct`)
 rise. Episodes: at most 3 model turns and 96 tokens after the prompt; a turn ends at EOS or at
@@ -18,7 +18,7 @@ from jaxrl_topo.runtime.config import base_config_dict
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = base_config_dict()
   c.data.source = "tool_calc"
-  c.data.task = ml_collections.ConfigDict(dict(name="tool_calc", seed=0, n_train=4000, n_heldout=128, max_operand=999,
+  c.data.task = ml_collections.ConfigDict(dict(name="tool_calc", seed=0, n_train=4000, n_heldout=128, max_operand=99,
                                                ops="*"))
   c.data.chat_template = True
   c.data.max_prompt_len = 32
@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.group_size = 8
   c.model.preset = "tiny"
   c.optim.lr = 1e-3
-  c.run.sft_steps = int(arg) if arg else 300  # fixed: its single-turn dev accuracy says nothing about episodes
+  c.run.sft_steps = int(arg) if arg else 600  # fixed: its single-turn dev accuracy says nothing about episodes
   c.run.sft_target_accuracy = 0.0
   c.run.sft_batch = 64
   c.run.steps = 60

@@ -125,9 +125,13 @@ def _reversal(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:
   return {"prompt": f"reverse {s}=", "answer": s[::-1], "task": "reversal"}
 
 
+def _tool_low(cfg: TaskConfig) -> int:
+  return max(1, (cfg.max_operand + 1) // 10)  # 99 -> 10: operands with as many digits as max_operand
+
+
 def _tool_calc(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:
-  """tool_calc.py: a op b with operands in [10, max_operand], for the calculator environment."""
-  a, b = (int(x) for x in rng.integers(10, max(cfg.max_operand, 10) + 1, size=2))
+  """tool_calc.py: a op b with operands of max_operand's digit count, for the calculator environment."""
+  a, b = (int(x) for x in rng.integers(_tool_low(cfg), cfg.max_operand + 1, size=2))
   op = cfg.ops[int(rng.integers(len(cfg.ops)))]
   return tool_calc.make_example(a, op, b, bool(rng.random() < tool_calc.TOOL_DEMO_P))
 
@@ -143,7 +147,7 @@ def _space_size(cfg: TaskConfig) -> int | None:
   if cfg.name == "reversal":
     return len(cfg.alphabet) ** cfg.length
   if cfg.name == "tool_calc":
-    return (max(cfg.max_operand, 10) - 9) ** 2 * len(cfg.ops)
+    return (cfg.max_operand - _tool_low(cfg) + 1) ** 2 * len(cfg.ops)
   return None
 
 

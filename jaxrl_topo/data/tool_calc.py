@@ -1,9 +1,10 @@
 """The calculator tool task: arithmetic too large to do in the head, and an environment with a calculator.
 
-Examples (tasks.py, task "tool_calc"): "a*b=" with operands in [10, max_operand] and an operator from
-`ops`. The model may call the tool by ending a turn with `<calc>EXPR</calc>` (EXPR: digits and + - *);
-the environment answers `<result>VALUE</result>` as the next user turn. Any other turn is the final
-answer: its first line, stripped, compared as an integer (tasks.extract_answer's rule).
+Examples (tasks.py, task "tool_calc"): "a*b=" with operands of max_operand's digit count ([10, 99]
+for 99) and an operator from `ops`. The model may call the tool by ending a turn with
+`<calc>EXPR</calc>` (EXPR: digits and + - *); the environment answers `<result>VALUE</result>` as
+the next user turn. Any other turn is the final answer: its first line, stripped, compared as an
+integer (tasks.extract_answer's rule).
 
 Reward: 1.0 for a right final answer, else 0.0. Info per episode: `correct`, `tool_calls`, and
 `tool_correct` (1.0 when some call computed exactly the question's expression).
