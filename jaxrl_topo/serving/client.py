@@ -1,20 +1,28 @@
-"""Client-side helpers over JetStream's own gRPC client (tests, benchmarks/serve.py, users' scripts)."""
+"""Client-side helpers over JetStream's own gRPC client (tests, benchmarks/serve.py, users' scripts).
+
+grpc and jetstream are imported where used: the core package imports without the extra
+(tests/test_serving_optional.py imports every module but jetstream_engine).
+"""
 
 from __future__ import annotations
 
 import time
 
-import grpc
-from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
+def connect(port: int, host: str = "localhost"):
+  """JetStream's OrchestratorStub for a server on host:port."""
+  import grpc
+  from jetstream.core.proto import jetstream_pb2_grpc
 
-def connect(port: int, host: str = "localhost") -> jetstream_pb2_grpc.OrchestratorStub:
   return jetstream_pb2_grpc.OrchestratorStub(grpc.insecure_channel(f"{host}:{port}"))
 
 
 def wait_live(stub, *, proc=None, log=None, timeout_s: float = 300.0) -> None:
   """Blocks until the server's HealthCheck says live. With `proc` (the server's Popen), raises at once
   if it exits, quoting the end of `log` (its output file, opened w+)."""
+  import grpc
+  from jetstream.core.proto import jetstream_pb2
+
   deadline = time.time() + timeout_s
   while True:
     try:
@@ -35,6 +43,8 @@ def wait_live(stub, *, proc=None, log=None, timeout_s: float = 300.0) -> None:
 
 def decode_ids(stub, ids, max_tokens: int, timeout_s: float = 600.0) -> list[int]:
   """A token request's answer, the stream's chunks joined."""
+  from jetstream.core.proto import jetstream_pb2
+
   req = jetstream_pb2.DecodeRequest(token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids),
                                     max_tokens=max_tokens)
   return [t for r in stub.Decode(req, timeout=timeout_s) for t in r.stream_content.samples[0].token_ids]
