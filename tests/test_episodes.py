@@ -170,3 +170,50 @@ def test_preempted_and_waiting_episodes_resume_to_the_same_tokens(tiny, episodes
 def test_episodes_need_a_turn_handler(tiny):
   with pytest.raises(ValueError, match="turns="):
     _engine(tiny).run([Request([5, 6], max_new_tokens=4, max_turns=2)])
+
+
+@pytest.mark.parametrize("policy", ["keep_kv", "abort_and_resume"])
+def test_a_weight_update_mid_episode_tags_the_tokens_after_it(tiny, policy):
+  """Weights land between chunks while episodes run (some wait for their environment): each token keeps
+  the gen_id it was sampled (or appended) under, non-decreasing along the episode; ids and masks stay
+  consistent. abort_and_resume re-prefills live and waiting episodes, which still finish their turns."""
+  graphdef, params = tiny
+  new = jax.tree.map(lambda x: x * 1.01, params)
+  eng = _engine(tiny)
+  chunks = []
+
+  def on_chunk(engine):
+    chunks.append(1)
+    if len(chunks) == 3:
+      engine.update_weights(new, 1, policy)
+
+  rng = np.random.RandomState(5)
+  reqs = [Request(rng.randint(3, 96, 6).tolist(), n=2, max_new_tokens=40, stop_ids=STOP, max_turns=3)
+          for _ in range(4)]
+  out = eng.run(reqs, on_chunk, turns=Scripted(), seq_base=300)
+  assert eng.gen_id == 1
+  mixed = 0
+  for s in out:
+    assert len(s.tokens) == len(s.gen_ids) == len(s.loss_mask) == len(s.logprobs)
+    assert all(a <= b for a, b in zip(s.gen_ids, s.gen_ids[1:], strict=False)), s.gen_ids
+    mixed += 0 in s.gen_ids and 1 in s.gen_ids
+    for t, (_, b) in enumerate(_turns(s)[:-1]):
+      assert s.tokens[b : b + 4] == Scripted.REPLY + [51 + t]
+  assert mixed > 0, "some episode should span the update"
+  if policy == "abort_and_resume":
+    assert eng.stats["aborted"] > 0
+
+
+def test_env_tokens_get_advantage_zero(episodes):
+  """The algorithms' advantages are 0 wherever the loss mask is: environment tokens never get credit."""
+  from jaxrl_topo.rl import advantages as adv_lib
+  _, samples, _, _ = episodes
+  T = max(len(s.tokens) for s in samples)
+  mask = np.zeros((len(samples), T), np.float32)
+  for n, s in enumerate(samples):
+    mask[n, : len(s.tokens)] = s.loss_mask
+  rewards = np.arange(len(samples), dtype=np.float32)
+  for name, fn in adv_lib.ADVANTAGE_FNS.items():
+    adv = np.asarray(fn(rewards, 2, mask))
+    assert not adv[mask == 0].any(), name
+    assert adv[mask > 0].any(), name
