@@ -1,7 +1,7 @@
 """Every command in README.md runs as written (issue 18; slow: the two sync_check commands alone took
 4 minutes on two cores shared with other jobs, the whole test 10): the fenced `sh` blocks, in order, then the
 Embeddable API's Python snippets as one session, in a scratch directory that links the repo's
-launchers/, configs/, examples/ and .venv/ (so `runs/...` lands there).
+launchers/, configs/, examples/, benchmarks/ and .venv/ (so `runs/...` lands there).
 
 What is changed, and why:
 - training commands get a few extra overrides (2 RL steps, no warm-up, small batches), and the
@@ -68,7 +68,7 @@ def test_blocks_parse():
 def test_every_readme_command_runs(tmp_path):
   with open(README) as f:
     text = f.read()
-  for name in ("launchers", "configs", "examples", ".venv"):
+  for name in ("launchers", "configs", "examples", "benchmarks", ".venv"):
     os.symlink(os.path.join(ROOT, name), tmp_path / name)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(JAX_PLATFORMS="cpu", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
