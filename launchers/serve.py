@@ -56,7 +56,8 @@ def main(argv: Sequence[str]) -> None:
   model_dir = server.resolve_model_dir(_MODEL.value, _WORKDIR.value)
   js_engine, _ = server.build_engine(model_dir, sc, gen_id=step or 0)
   srv = server.start(js_engine, _PORT.value)
-  print(f"serving {model_dir} on localhost:{_PORT.value} ({sc.slots} slots, data={sc.data} x tensor={sc.tensor}); "
+  print(f"serving {model_dir} on port {_PORT.value}, all interfaces (localhost:{_PORT.value} here; {sc.slots} slots, "
+        f"data={sc.data} x tensor={sc.tensor}); "
         "Ctrl-C or SIGTERM stops", flush=True)
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (a stuck server)
   stop = threading.Event()
@@ -66,8 +67,15 @@ def main(argv: Sequence[str]) -> None:
     threading.Thread(target=server.follow_run, args=(js_engine, _WORKDIR.value, sc, stop),
                      kwargs=dict(every_s=_FOLLOW.value, served_step=step), daemon=True).start()
   stop.wait()
-  srv.stop()
-  print("server stopped", flush=True)
+  # JetStream's stop drains its queues in a busy loop until its threads see a sentinel: bounded here, so
+  # SIGTERM always ends the process (its threads hold nothing that outlives it).
+  stopper = threading.Thread(target=srv.stop, daemon=True)
+  stopper.start()
+  stopper.join(timeout=30)
+  print("server stopped" if not stopper.is_alive() else "server stopped (JetStream's shutdown cut after 30 s)",
+        flush=True)
+  if stopper.is_alive():
+    os._exit(0)
 
 
 if __name__ == "__main__":

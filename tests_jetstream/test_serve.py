@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -264,3 +265,33 @@ def test_a_sharded_rollout_mesh_serves_the_same_tokens(model_dir, served):
   finally:
     srv.stop()
   assert got == _reference(one_device, one_device.engine.params, prompts)
+
+
+def _non_loopback_ipv4() -> str:
+  """An address of this host other than 127.0.0.1 where there is one (JetStream binds all interfaces)."""
+  try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      s.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks the outgoing interface
+      return s.getsockname()[0]
+  except OSError:
+    return "127.0.0.1"
+
+
+def test_a_taken_port_is_an_error_even_when_taken_after_the_check(model_dir, monkeypatch):
+  """check_port sees a holder on any interface (JetStream binds [::]); a port taken between the check
+  and JetStream's bind is an OSError, and JetStream's threads (some not daemons) do not outlive it."""
+  with socket.socket() as holder:
+    holder.bind((_non_loopback_ipv4(), 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    with pytest.raises(OSError, match=f"--port={port} is busy"):
+      server.check_port(port)
+    with pytest.raises(ValueError, match="1-65535"):
+      server.check_port(0)
+    monkeypatch.setattr(server, "check_port", lambda port: None)  # the race: taken after the check
+    js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, slots=2))
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="could not bind"):
+      server.start(js_engine, port)
+  left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and not t.daemon]
+  assert not left, f"JetStream threads left running (the process could not exit): {left}"

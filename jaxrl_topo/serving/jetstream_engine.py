@@ -33,6 +33,7 @@ from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
 from jaxrl_topo.rollout.engine import UPDATE_POLICIES, RolloutEngine
 
+FINISHED_KEPT = 4096  # rows of `finished` kept: a long-running server must not grow without bound
 NO_BOS = -1  # JetStream prepends `bos_id` to token requests; we strip it (token requests are taken as given)
 _PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # JetStream's pad_tokens
 
@@ -117,7 +118,7 @@ class JetStreamEngine(engine_api.Engine):
     self._lock = threading.Lock()
     self._pending: tuple[Any, int] | None = None  # (params, gen_id) waiting to land
     self._next_seq = 0
-    self.finished: list[dict] = []  # one row per ended request: prompt, tokens, gen_ids
+    self.finished: list[dict] = []  # one row per ended request: prompt, tokens, gen_ids (the newest FINISHED_KEPT)
     devices = list(engine.mesh.devices.flat) if engine.mesh is not None else [jax.devices()[0]]
     self._mesh = engine.mesh if engine.mesh is not None else jax.sharding.Mesh(np.asarray(devices[:1]), ("data",))
 
@@ -176,7 +177,7 @@ class JetStreamEngine(engine_api.Engine):
     decode_state.by_slot[slot] = r
     if prefix.error is not None:
       r.done = True
-      self.finished.append({"seq_id": r.seq_id, "prompt": [], "tokens": [], "gen_ids": [], "error": prefix.error})
+      self._record({"seq_id": r.seq_id, "prompt": [], "tokens": [], "gen_ids": [], "error": prefix.error})
     elif self._pending is not None and self.policy == "finish_on_old":
       decode_state.waiting.append((slot, r))
     else:
@@ -240,8 +241,13 @@ class JetStreamEngine(engine_api.Engine):
 
   def _finish(self, r: _Request) -> None:
     self._release(r)
-    self.finished.append({"seq_id": r.seq_id, "prompt": list(r.prompt), "tokens": list(r.reported),
-                          "gen_ids": list(r.gen_ids), "error": None})
+    self._record({"seq_id": r.seq_id, "prompt": list(r.prompt), "tokens": list(r.reported),
+                  "gen_ids": list(r.gen_ids), "error": None})
+
+  def _record(self, row: dict) -> None:
+    self.finished.append(row)
+    if len(self.finished) > FINISHED_KEPT:  # a list, trimmed in place: readers on other threads never see it fail
+      del self.finished[: len(self.finished) - FINISHED_KEPT]
 
   def get_prefix_destination_sharding(self) -> Any:
     return None  # prefixes are host data; interleaved mode never transfers them

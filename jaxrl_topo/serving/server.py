@@ -10,6 +10,7 @@ checked first, with the flag at fault in the message.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
@@ -44,9 +45,17 @@ def require_jetstream() -> None:
     jax.tree_map = jax.tree.map
 
 
-def check_port(port: int, host: str = "localhost") -> None:
-  """Raises OSError if something already listens on `port` (JetStream would fail later, less clearly)."""
-  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+def check_port(port: int) -> None:
+  """Raises OSError if `port` is out of range or anything holds it on any interface: JetStream binds
+  `[::]:port` (all interfaces), and a failed bind there would come later, less clearly."""
+  if not 0 < port < 65536:
+    raise ValueError(f"--port={port}: expected 1-65535")
+  try:
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)  # dual-stack: IPv4 holders conflict too
+    host = "::"
+  except OSError:  # no IPv6 here
+    s, host = socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0"
+  with s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       s.bind((host, port))
@@ -166,11 +175,31 @@ def start(js_engine, port: int, *, threads: int | None = None):
   """JetStream's gRPC server on `port` with `js_engine` interleaved on its mesh's devices; returns it
   (`.stop()` ends the orchestrator threads and the server)."""
   require_jetstream()
-  from jetstream.core import config_lib, server_lib
+  from jetstream.core import config_lib, orchestrator, server_lib
 
   check_port(port)
   devices = list(js_engine.mesh.devices.flat)
   platform = devices[0].platform
   config = config_lib.ServerConfig(interleaved_slices=(f"{platform}={len(devices)}",),
                                    interleaved_engine_create_fns=(lambda _devices: js_engine,))
-  return server_lib.run(port=port, config=config, devices=devices, threads=threads)
+  before = set(threading.enumerate())
+  try:
+    return server_lib.run(port=port, config=config, devices=devices, threads=threads)
+  except RuntimeError as e:
+    # The port was taken after check_port. JetStream started its orchestrator's threads and its event-loop
+    # thread (some not daemons) before the bind failed, and returns no handle: found by their targets and
+    # stopped here, or the process never exits.
+    drivers = set()
+    for t in set(threading.enumerate()) - before:
+      target = getattr(t, "_target", None)
+      owner = getattr(getattr(target, "func", target), "__self__", None)
+      if isinstance(owner, asyncio.AbstractEventLoop):
+        owner.call_soon_threadsafe(owner.stop)
+        t.join(timeout=10)
+      elif isinstance(owner, orchestrator.Driver):
+        drivers.add(owner)
+    for driver in drivers:
+      driver.stop()
+    if "bind" in str(e):
+      raise OSError(f"--port={port} is busy (JetStream could not bind [::]:{port}): pick another port") from e
+    raise
