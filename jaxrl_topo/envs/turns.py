@@ -139,7 +139,8 @@ class EnvTurns:
         continue
       text = ep.texts[-1]
       try:
-        ids = reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with_eos=ep.ended_with_eos)
+        ids = (reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with_eos=ep.ended_with_eos)
+               if self.chat else self.tok.encode(obs))  # no chat template: the observation as plain text
       except Exception:  # the template refused the conversation: the episode cannot go on
         ep.failed, ep.ret = "error", self.error_score
         replies.append((key, None, "env_error"))
@@ -182,7 +183,7 @@ def demonstrations(tokenizer: Tokenizer, make_env, examples: list[dict], *, chat
       ids, mask = ids + turn, mask + [1.0] * len(turn)
       if done:
         break
-      reply = reply_ids(tokenizer, messages, text, obs, role=role)
+      reply = reply_ids(tokenizer, messages, text, obs, role=role) if chat else tokenizer.encode(obs)
       messages += [{"role": "assistant", "content": text}, {"role": role, "content": obs}]
       ids, mask = ids + reply, mask + [0.0] * len(reply)
     if len(ids) <= resp_len:

@@ -126,7 +126,10 @@ class Stream:
 
   def _replies(self, block: bool) -> None:
     """Environment replies that are ready (all of them, waiting for one when `block`): next turns or ends."""
-    for (tag, r, i), tokens, reason in self.turns.poll(block):
+    replies = self.turns.poll(block)
+    if block and not replies:
+      raise RuntimeError(f"episodes {sorted(self.loop.waiting)} wait for environment replies that will not come")
+    for (tag, r, i), tokens, reason in replies:
       episodes.reply(self.loop, self.batches[tag][0] + r, i, tokens, reason)
 
   def pending(self, tag) -> bool:
