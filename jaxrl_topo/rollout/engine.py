@@ -320,25 +320,6 @@ class RolloutEngine:
       self.stats["slot_steps_queued"] += run_steps
     return new, chunk
 
-  def _extend(self, slot: int, feed_ids: Sequence[int], start: int, *, max_new_tokens: int,
-              stop_ids: Sequence[int] = (), lookahead: int = 0) -> None:
-    """An episode's next turn in a parked slot (its pages hold positions < start): `feed_ids` (the last
-    sampled token, then the appended ones) go out as a one-row wave at positions start.., attending to
-    the pages already written (no re-prefill), and its first token is sampled with the key of its
-    position, as a recompute of the whole sequence would. OutOfPages: the slot is unchanged."""
-    self.pool.rewind(slot, start)
-    self.pool.ensure_capacity(slot, len(feed_ids) + min(lookahead, max_new_tokens - 1))
-    self.pool.advance(slot, len(feed_ids))
-    h = self.host
-    self._park(slot)
-    self._rows.pop(slot, None)  # the prefill sets the whole row
-    h.pos_B[slot], h.left_B[slot], h.active_B[slot] = start + len(feed_ids), max_new_tokens - 1, max_new_tokens > 1
-    h.stop_BX[slot] = -1
-    h.stop_BX[slot, : len(stop_ids)] = stop_ids
-    self._waves.append(_Wave(list(feed_ids), [slot], [int(h.seq_B[slot])], max_new_tokens, tuple(stop_ids), [],
-                             self.pool.table()[slot], [], start))
-    self.stats["extensions"] += 1
-
   def _park(self, slot: int) -> None:
     """The slot keeps its pages but stops decoding (an episode waiting for its environment)."""
     self._epoch_B[slot] += 1

@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxrl_topo.rollout import host_state  # a module: host_state imports scheduler, which imports us
 from jaxrl_topo.rollout.kv_pool import OutOfPages
 
 if TYPE_CHECKING:
+  from jaxrl_topo.rollout.engine import RolloutEngine
   from jaxrl_topo.rollout.scheduler import _Loop
 
 
@@ -62,11 +64,30 @@ def reply(loop: _Loop, r: int, i: int, tokens: Sequence[int] | None, reason: str
   left = req.max_new_tokens - len(sample.tokens)
   if slot is not None:
     try:
-      eng._extend(slot, feed, start, max_new_tokens=left, stop_ids=req.stop_ids,
-                  lookahead=eng.ecfg.decode_chunk)
+      extend(eng, slot, feed, start, max_new_tokens=left, stop_ids=req.stop_ids, lookahead=eng.ecfg.decode_chunk)
       loop.live[slot] = (r, i)
       return
     except OutOfPages:
       eng.free(slot)
   loop.queue.appendleft((r, [i], True))  # resumes: prompt and history prefilled again
   eng.stats["resumed_episodes"] += 1
+
+
+def extend(eng: RolloutEngine, slot: int, feed_ids: Sequence[int], start: int, *, max_new_tokens: int,
+           stop_ids: Sequence[int] = (), lookahead: int = 0) -> None:
+  """An episode's next turn in a parked slot (its pages hold positions < start): `feed_ids` (the last
+  sampled token, then the appended ones) go out with the next flush as a one-row wave at positions
+  start.., attending to the pages already written (no re-prefill), and its first token is sampled with
+  the key of its position, as a recompute of the whole sequence would. OutOfPages: the slot is unchanged."""
+  eng.pool.rewind(slot, start)
+  eng.pool.ensure_capacity(slot, len(feed_ids) + min(lookahead, max_new_tokens - 1))
+  eng.pool.advance(slot, len(feed_ids))
+  h = eng.host
+  eng._park(slot)
+  eng._rows.pop(slot, None)  # the prefill sets the whole row
+  h.pos_B[slot], h.left_B[slot], h.active_B[slot] = start + len(feed_ids), max_new_tokens - 1, max_new_tokens > 1
+  h.stop_BX[slot] = -1
+  h.stop_BX[slot, : len(stop_ids)] = stop_ids
+  eng._waves.append(host_state._Wave(list(feed_ids), [slot], [int(h.seq_B[slot])], max_new_tokens, tuple(stop_ids), [],
+                                    eng.pool.table()[slot], [], start))
+  eng.stats["extensions"] += 1
