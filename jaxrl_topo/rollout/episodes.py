@@ -14,7 +14,9 @@ loss mask 0 and the gen_id of the weights that wrote their K/V. Limits: `max_tur
 (finish_reason "turns" when the environment wanted more) and `max_new_tokens` tokens after the prompt,
 model's and environment's together ("length"). An episode preempted or aborted (abort_and_resume)
 resumes from its tokens so far: prompt and history are prefilled again, and since every sampling key
-is (seed, sequence id, position) the continuation is the one it would have been.
+is (seed, sequence id, position) the continuation is the one it would have been. An episode waiting for
+its environment is not live: a finish_on_old update does not wait for it, and its next turn continues
+on the K/V cached under the old weights (as keep_kv; abort_and_resume re-prefills it instead).
 
 The handler protocol (duck-typed):
   submit(key, sample, turn_start)  key = (batch tag, request index in the batch, sample index); the
