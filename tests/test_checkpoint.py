@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +155,12 @@ def test_a_read_only_reader_leaves_a_live_runs_save_in_flight_alone(tmp_path):
     with pytest.raises(RuntimeError, match="read-only"):
       reader.save(3, _tree(mesh), {})
   assert in_flight.is_dir()
-  Checkpointer(str(tmp_path)).close()  # a writer opening: the tmp directory goes (why readers must not be one)
+  # A writer opening removes the tmp directory (why readers must not be one). orbax does it on a background
+  # thread that only a save awaits, so wait for it here.
+  Checkpointer(str(tmp_path)).close()
+  deadline = time.monotonic() + 30
+  while in_flight.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
   assert not in_flight.exists()
 
 
