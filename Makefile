@@ -42,7 +42,7 @@ lint: $(VENV)/.test
 # otherwise idle; tests/conftest.py groups tests that share module fixtures onto one worker.
 PYTEST_WORKERS ?= 2
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme" --durations=30
 
 test-fast: lint
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not readme"
