@@ -196,24 +196,6 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     assert ck.latest_step() == 6
 
 
-@pytest.mark.slow
-def test_shortened_demo_raises_the_reward(tmp_path):
-  """The demo config (colocated, real reward worker processes), shortened: the reward must rise.
-
-  100 steps: the toy's RL is noisy step to step, and any numerical change (or sampling-key scheme)
-  reorders it. Rise of the mean reward, first 8 vs last 8 steps, for run.seed 0-3: over 30 steps
-  +0.01..+0.11, over 60 +0.05..+0.17, over 100 +0.19 / +0.30 / +0.38 / +0.15. This test runs seed 0.
-  Steps are cheap here: compilation and the warm-up dominate (about 40 s for 60 steps, 50 s for 100)."""
-  cfg = _cfg("colocated", steps=100, **{"run.sft_steps": 1000, "run.sft_target_accuracy": 0.3,
-                                       "data.batch_size": 8, "rl.group_size": 16,
-                                       "run.eval_size": 32, "rollout.n_slots": 128, "reward.n_workers": 2})
-  summary = run_lib.train(cfg, str(tmp_path), progress=False)
-  rewards = [r["reward_mean"] for r in read_metrics(str(tmp_path))]
-  first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
-  assert last > first + 0.1, f"reward did not rise: first steps {first:.3f}, last steps {last:.3f}"
-  assert summary["accuracy_after"] > summary["accuracy_before"]
-
-
 def test_config_typos_are_rejected_with_a_suggestion():
   c = load_config("grpo_task", "tiny")
   with pytest.raises(AttributeError, match="group_size"):
