@@ -109,6 +109,22 @@ def test_grpo_group_shares_prefill_and_matches_unshared(tiny):
   assert len({tuple(s.tokens) for s in got}) > 1, "samples of a group should differ (independent keys)"
 
 
+def test_a_chunk_ends_when_a_slot_frees_for_a_waiting_request(tiny):
+  """2 slots, 32-step chunks, a short request beside a long one and a third waiting: the chunk ends at the
+  step the short one finishes and the waiting one takes its slot at once, so no slot idles while a
+  request waits (with the early exit off this fails: the freed slot idles for the rest of the 32-step
+  chunk). Tokens equal an engine with room for all three."""
+  graphdef, params = tiny
+  a, b, c = _prompts(3, seed=21, max_len=10)
+  requests = [Request(a, max_new_tokens=3), Request(b, max_new_tokens=40), Request(c, max_new_tokens=30)]
+  eng = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=32, eos_ids=())
+  got = eng.run(requests)
+  want = _engine(graphdef, params, n_slots=4, eos_ids=()).run(requests)
+  assert [s.tokens for s in got] == [s.tokens for s in want] and [len(s.tokens) for s in got] == [3, 40, 30]
+  assert eng.stats["slot_steps_queued"] > 0
+  assert eng.stats["busy_steps_queued"] == eng.stats["slot_steps_queued"], dict(eng.stats)
+
+
 def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):
   """4 slots, two groups of 3: the second starts with the one free slot, its other two samples fork
   from its pinned prompt as slots free up (no second prefill of that prompt), and every token is
@@ -121,7 +137,7 @@ def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):
   got = eng.run(requests)
   assert [s.tokens for s in got] == [s.tokens for s in want]
   np.testing.assert_allclose(np.concatenate([s.logprobs for s in got]),
-                             np.concatenate([s.logprobs for s in want]), atol=1e-6)
+                             np.concatenate([s.logprobs for s in want]), atol=1e-5)  # widths differ by schedule
   assert eng.stats["pinned_groups"] == 1, "the second group was admitted before three slots were free"
   assert eng.stats["prefills"] == 2 and eng.stats["forks"] == 4
   eng.pool.check()

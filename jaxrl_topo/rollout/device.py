@@ -217,21 +217,24 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "n_steps", "eos_ids", "pad_id", "layout"),
                    donate_argnames=("state",))
-def generate(graphdef, params, state: DecodeState, key, *, sampling: SamplingConfig, n_steps: int,
+def generate(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling: SamplingConfig, n_steps: int,
              eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None):
   """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
-  With data shards each shard decodes its own slots and stops when they are done."""
+  With data shards each shard decodes its own slots and stops when they are done.
+  live_floor_D (int32, one per data shard): the chunk also ends, early, at the first step at which the
+  shard has fewer live rows than that (a slot freed while requests wait: the host admits into it at
+  once instead of after the chunk); 0 = never. Traced, so changing it compiles nothing."""
   body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids,
                            pad_id=pad_id, sharded=_sharded(layout))
   specs, KB = _state_specs(state), P(None, "data")
-  state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R), (specs, KB, KB, KB))(
-      params, state, key)
+  state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R, _D), (specs, KB, KB, KB))(
+      params, state, key, live_floor_D)
   state = constrain(state, layout)
   return state, tokens_KB, logprobs_KB, emitted_KB, state.active_B
 
 
-def _generate_shard(graphdef, params, state: DecodeState, key, *, sampling, n_steps: int, eos_ids, pad_id: int,
-                    sharded: bool):
+def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling, n_steps: int, eos_ids,
+                    pad_id: int, sharded: bool):
   model = _merge(graphdef, params, sharded)
 
   def step(carry):
@@ -253,8 +256,11 @@ def _generate_shard(graphdef, params, state: DecodeState, key, *, sampling, n_st
   B = state.last_B.shape[0]
   init = (jnp.int32(0), state, jnp.full((n_steps, B), pad_id, jnp.int32), jnp.zeros((n_steps, B), jnp.float32),
           jnp.zeros((n_steps, B), bool))
-  _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(
-      lambda c: (c[0] < n_steps) & jnp.any(c[1].active_B), step, init)
+  def more(c):
+    n_live = jnp.sum(c[1].active_B.astype(jnp.int32))
+    return (c[0] < n_steps) & (n_live > 0) & (n_live >= live_floor_D[0])
+
+  _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(more, step, init)
   return state, tokens_KB, logprobs_KB, emitted_KB
 
 

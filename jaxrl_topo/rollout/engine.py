@@ -53,7 +53,7 @@ class EngineConfig:
   page_size: int = 16
   n_pages: int = 256  # pages per layer in the pool
   max_len: int = 512  # prompt + completion tokens per sequence
-  decode_chunk: int = 8  # decode steps per generate() call (K)
+  decode_chunk: int = 8  # decode steps per generate() call (K); run() admits with pages for this many ahead
   min_bucket: int = 16  # prompts are padded to a power of two >= this
   impl: str = "auto"  # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed
   sampling: SamplingConfig = SamplingConfig(greedy=True)
@@ -61,7 +61,7 @@ class EngineConfig:
   pad_id: int = 0
   kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
   overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
-  tail_chunk: int = 0  # run(): decode steps per chunk while no request waits (0 = 4 x decode_chunk)
+  tail_chunk: int = 0  # run(): steps per chunk (0 = 4 x decode_chunk); ends early for waiting requests
 
   def __post_init__(self):
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
@@ -262,13 +262,18 @@ class RolloutEngine:
     self.stats["uploads"] += 1
     return tok_N, lp_N, rows
 
-  def _dispatch(self, n_steps: int | None = None) -> _Dispatched:
-    """Flushes the host's changes and launches one chunk of K decode steps; nothing is read."""
+  def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False) -> _Dispatched:
+    """Flushes the host's changes and launches one chunk of K decode steps; nothing is read.
+    `exit_on_free`: it ends once a data shard has max(1, 1/8 of its slots) fewer live rows than the host
+    counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
-    out = generate(self._static, self.params, self.state, self.key, sampling=self.sampling, n_steps=n_steps,
-                   eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout)
+    live_D = self.host.active_B.reshape(self.pool.n_shards, -1).sum(axis=1)
+    free_batch = max(1, self.pool.slots_per_shard // 8)
+    floor_D = (live_D - free_batch + 1 if exit_on_free else np.zeros_like(live_D)).astype(np.int32)
+    out = generate(self._static, self.params, self.state, self.key, floor_D, sampling=self.sampling,
+                   n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout)
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id)

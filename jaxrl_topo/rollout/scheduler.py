@@ -164,19 +164,20 @@ class Stream:
       self._replies(block=not (loop.live or loop.queue or loop.pinned or self.inflight is not None))
     if eng._pending is not None and (eng._pending.policy != "finish_on_old" or not loop.live):
       loop.land_update()
-    # Pages for the unread chunk's writes and the next one's. Short chunks while requests wait (a
-    # finished slot is refilled soon), long ones in the tail (fewer host round trips; idle steps are skipped).
+    # Pages for the unread chunk's writes and the next one's. While requests wait, a chunk ends early
+    # at the first slot that frees (the host refills it at once), else after decode_chunk steps; in the
+    # tail, long chunks (fewer host round trips; steps past every row's end are skipped).
     unread = self.inflight.chunk[0].shape[0] if self.inflight is not None else 0
     if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
       loop.fill(unread + eng.ecfg.decode_chunk)
       eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
     waiting = bool(loop.queue or loop.pinned)
-    n_steps = eng.ecfg.decode_chunk if waiting else eng.ecfg.tail_steps
+    n_steps = eng.ecfg.tail_steps
     dispatched = None
     if loop.live:
       loop.reserve(unread + n_steps)
       if loop.live:
-        dispatched = eng._dispatch(n_steps)
+        dispatched = eng._dispatch(n_steps, exit_on_free=waiting)
         dispatched.queued = waiting
     if not eng.ecfg.overlap and dispatched is not None:
       self.inflight, dispatched = dispatched, None
