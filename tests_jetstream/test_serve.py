@@ -217,7 +217,9 @@ def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
   run_lib.save_config(c, work)  # as launchers/train.py does
   run_lib.train(from_config_dict(c), work, progress=False)
   model_dir = server.resolve_model_dir(None, work)
-  assert model_dir == os.path.join(work, "serve_hf") and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+  # Its own export directory per server process: two servers of one run never write the same files.
+  assert model_dir == server.export_dir(work) == os.path.join(work, "serve_hf", str(os.getpid()))
+  assert os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
   js_engine, tokenizer = server.build_engine(model_dir, SC)
   trained = hf_io.load_model(model_dir, dtype="float32")[2]
   init = hf_io.load_model(os.path.join(work, "init_model"), dtype="float32")[2]
@@ -240,7 +242,7 @@ def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
     while js_engine._pending is None and js_engine.engine.gen_id != 4:
       assert time.time() < deadline, "the step-4 checkpoint was never swapped in"
       time.sleep(0.1)
-    step4 = hf_io.load_model(model_dir, dtype="float32")[2]  # serve_hf/ now holds step 4
+    step4 = hf_io.load_model(model_dir, dtype="float32")[2]  # serve_hf/<pid>/ now holds step 4
     assert _ask(stub, prompt) == _reference(js_engine, step4, [prompt])[0]
     assert js_engine.engine.gen_id == 4 and js_engine.finished[-1]["gen_ids"][0] == 4
   finally:

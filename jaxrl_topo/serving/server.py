@@ -1,9 +1,10 @@
 """Start JetStream's orchestrator and gRPC server over our engine (launchers/serve.py; issue 16).
 
-`resolve_model_dir` takes an HF directory, or exports a run's newest checkpoint to `<workdir>/serve_hf/`
-(runtime/run.py `export`, the same code as launchers/export.py); `build_engine` lays the weights out on
-the rollout mesh and wraps a `RolloutEngine` in `JetStreamEngine`; `follow_run` swaps a run's newer
-checkpoints in while serving; `start` checks the port and runs `jetstream.core.server_lib.run` in
+`resolve_model_dir` takes an HF directory, or exports a run's newest checkpoint to `export_dir(workdir)`,
+`<workdir>/serve_hf/<pid>/`, one per server process so two servers of one run never write the same files
+(delete them when done; runtime/run.py `export`, the same code as launchers/export.py); `build_engine`
+lays the weights out on the rollout mesh and wraps a `RolloutEngine` in `JetStreamEngine`; `follow_run`
+swaps a run's newer checkpoints in while serving; `start` checks the port and runs `jetstream.core.server_lib.run` in
 interleaved mode (one engine prefills and generates). What can be checked before devices are touched is
 checked first, with the flag at fault in the message.
 """
@@ -103,10 +104,15 @@ def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     raise FileNotFoundError(f"--workdir={workdir}: no config.json there (expected a run of launchers/train.py)")
   from jaxrl_topo.runtime import run
-  out = os.path.join(workdir, "serve_hf")
+  out = export_dir(workdir)
   step = run.export(workdir, out)
   print(f"serving the policy of step {step} of {workdir} (exported to {out})", flush=True)
   return out
+
+
+def export_dir(workdir: str) -> str:
+  """Where this server process exports a run's checkpoints (its own: servers of one run never share it)."""
+  return os.path.join(workdir, "serve_hf", str(os.getpid()))
 
 
 def newest_step(workdir: str) -> int | None:
@@ -134,7 +140,7 @@ def follow_run(js_engine, workdir: str, sc: ServeConfig, stop: threading.Event, 
     step = newest_step(workdir)
     if step is None or (served is not None and step <= served):
       continue
-    out = os.path.join(workdir, "serve_hf")
+    out = export_dir(workdir)
     run.export(workdir, out, step=step)
     _, _, params = hf_io.load_model(out, mesh, ROLLOUT_RULES if mesh else None, dtype=sc.dtype)
     js_engine.swap_weights(params, gen_id=step)
