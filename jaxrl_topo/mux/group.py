@@ -166,8 +166,10 @@ class Group:
       exp.engine.params = warm.park(exp.engine.params)
       end = time.perf_counter()
       self.rollout_pool.release(jid)
+      moved = tail.done()
+      at = {k: moved.pop(k) for k in ("migrated_at", "moved_at")}
       self._span(jid, "rollout", step, held["rollout"], end, load_s=held["rollout_load"], park_s=end - t,
-                 migrated_at=tail.migrated_at - self._t0 if tail.migrated_at else None)
+                 **{k: v - self._t0 if v else None for k, v in at.items()}, **moved)
       extra.on_produced(step)
 
     def on_trained(step: int, traj) -> None:

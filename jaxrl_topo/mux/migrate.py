@@ -1,42 +1,232 @@
-"""Long-tail migration: once `mux.migrate_at` of a rollout's sequences have ended, the next job may start.
+"""Long-tail migration: once `mux.migrate_at` of a rollout's sequences have ended, the stragglers move to a
+small tail engine and the next job's rollout starts.
 
-Between decode chunks the job's engine is asked how many of its slots still hold a live sequence. When
-at most (1 - migrate_at) of the batch is left and a slot is free (so nothing waits for admission), the
-rollout pool's turn moves on (`RoundRobin.migrate`): the next job's rollout starts while this job's
-stragglers finish in the few slots they hold. Nothing about the stragglers changes (same engine, same
-weights, same sampling keys), so their tokens and log-probs are those of an unmigrated run; what the move
-buys is the tail's idle decode capacity, given to the next job.
+Between decode chunks the job's engine is asked how many of its slots still hold a live sequence. When at
+most (1 - migrate_at) of the batch is left and nothing waits for admission, the stragglers are moved:
 
-What this does not do (yet): move the stragglers onto a subset of the rollout devices. They keep their
-slots on the whole rollout mesh and share its devices with the next job's rollout until they end.
+  tail engine   a second `RolloutEngine` of the job, built once (first migration) on the same rollout mesh
+                and the same weight arrays (no copy), with `tail_slots` decode rows instead of `n_slots`
+                and pages for just those rows at full length
+  the move      the dispatched chunk is read; each straggler gets a tail slot (any data shard) with as
+                many pages as it held, its pages' K/V are copied over (one jitted gather/scatter), its slot
+                row (last token, position, sequence id, budget, stop ids) goes with the tail's next patch,
+                and the stream's slot map is rewritten; the stream decodes on the tail engine from then on
+  freed         the job's full KV pool is deleted at once (its device memory is the next job's), and each
+                remaining decode step of the stragglers costs `tail_slots` rows, not `n_slots`
+                (`freed_slot_steps` in the span: tail steps x (n_slots - tail_slots))
+
+then the rollout pool's turn moves on (`RoundRobin.migrate`). Sampling keys depend on (key, sequence id,
+position) only and each row's decode reads only its own pages, so the stragglers' tokens and log-probs are
+those of an unmigrated run, bit for bit (tests/test_mux_migrate.py). After the stream closes, `restore`
+frees the tail's pool; the next rollout runs on the full engine again.
+
+The stragglers keep the whole rollout mesh (their rows are spread over its data shards); what they give up
+is rows and pages, not devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 
+import jax
+import numpy as np
+
 from jaxrl_topo.mux.pools import RoundRobin
+from jaxrl_topo.rollout.engine import RolloutEngine
+from jaxrl_topo.rollout.host_state import _SlotMirror
 
 
 def live_slots(engine) -> int:
   return sum(engine.pool.seq_id(s) is not None for s in range(engine.ecfg.n_slots))
 
 
+def tail_shards(batch: int, migrate_at: float, slots_per_shard: int, data: int) -> int:
+  """Data shards of the tail engine: enough of the rollout mesh's shards (each with the same rows as the full
+  engine's shards) for the most stragglers a migration moves; `data` means no shard is freed (no move)."""
+  most = max(1, int(np.floor((1.0 - migrate_at) * batch)))
+  return min(data, -(-most // slots_per_shard))
+
+
+def submesh(mesh: jax.sharding.Mesh, n_data: int) -> jax.sharding.Mesh:
+  """The first `n_data` data shards of a rollout mesh (all their tensor devices)."""
+  axis = mesh.axis_names.index("data")
+  devices = np.take(mesh.devices, range(n_data), axis=axis)
+  return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _on(tree, mesh: jax.sharding.Mesh):
+  """Arrays laid out on another mesh with the same axis names: same PartitionSpecs (a device-local copy where
+  the spec does not split over `data`, as rollout weights do not)."""
+  def to(x):
+    spec = x.sharding.spec if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return x if spec is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree.map(to, tree)
+
+
+@jax.jit
+def _gather_pages(kv, src_N):
+  return jax.tree.map(lambda x: x[:, src_N], kv)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def _scatter_pages(kv, pages, dst_N):
+  return jax.tree.map(lambda x, p: x.at[:, dst_N].set(p, mode="drop"), kv, pages)
+
+
+def _move_pages(old, new, src_N, dst_N):
+  """(k, v) pools: pages src_N of `old` (full mesh) into pages dst_N of `new` (tail mesh; out of range: dropped)."""
+  pages = _gather_pages(old, src_N)
+  pages = jax.device_put(pages, jax.tree.map(lambda x: x.sharding, new))  # the stragglers' K/V, to the tail's devices
+  return _scatter_pages(new, pages, dst_N)
+
+
+def kv_bytes(engine) -> int:
+  c = engine.state.cache
+  return 0 if engine._kv_released else int(c.k_LPSKH.nbytes + c.v_LPSKH.nbytes)
+
+
+def _tail_engine(engine: RolloutEngine, n_data: int) -> RolloutEngine:
+  """The job's tail engine: its first `n_data` data shards, each with the full engine's rows per shard (so every
+  shard's decode program has the same shapes: bit-identical numbers), pages for those rows at full length."""
+  e = engine.ecfg
+  n_slots = engine.pool.slots_per_shard * n_data
+  ecfg = dataclasses.replace(e, n_slots=n_slots, n_pages=n_slots * e.max_pages_per_seq)
+  mesh = submesh(engine.mesh, n_data)
+  tail = RolloutEngine(engine.graphdef, engine.cfg, _on(engine.params, mesh), ecfg, gen_id=engine.gen_id, mesh=mesh,
+                       detokenize=engine.detokenize)
+  tail._static = engine._static  # the same hashed GraphDef
+  tail.release_kv()
+  return tail
+
+
+def _admit_at(pool, slot: int, seq_id, n_tokens: int) -> None:
+  """`PagePool.admit` into a given free slot (admit takes the shard's lowest free one)."""
+  if pool.seq_id(slot) is not None:
+    raise ValueError(f"slot {slot} is busy")
+  shard = pool.shard_of_slot(slot)
+  pages = pool._alloc(pool._pages_for(n_tokens), f"migrate seq {seq_id!r}", shard)
+  pool._table_BM[slot, : len(pages)] = pages
+  pool._occupy(slot, seq_id, n_tokens)
+
+
+def move_stragglers(engine: RolloutEngine, tail: RolloutEngine) -> int | None:
+  """Moves the open stream's live sequences from `engine` onto `tail`; returns the KV bytes freed, or None
+  (nothing moved) when the stream is not in a state to move: requests wait, weights are pending, or the
+  stragglers still span more data shards than the tail has.
+
+  Each old data shard's stragglers move together, each to the same row of one tail shard (same rows per
+  shard): a decode step then sees the same rows beside it as before, which the paged read's width (the
+  longest co-resident row, paged.py `bucketed`) and so its numbers depend on."""
+  stream = engine._stream
+  loop = stream.loop if stream is not None else None
+  if (loop is None or loop.queue or loop.pinned or loop.waiting or engine._pending is not None or engine._waves
+      or engine._unread):
+    return None
+  if stream.inflight is not None:  # the dispatched chunk: read now (what the next iteration would collect)
+    loop.collect(engine._read(stream.inflight)[0])
+    stream.inflight = None
+  spp = engine.pool.slots_per_shard
+  shards = sorted({slot // spp for slot in loop.live})  # old data shards still holding stragglers
+  if not loop.live or len(shards) > tail.pool.n_shards:
+    return None
+  tail._ensure_kv()
+  tail.params = _on(engine.params, tail.mesh)
+  tail.gen_id, tail.key, tail.sampling = engine.gen_id, _on(engine.key, tail.mesh), engine.sampling
+  tail.host = _SlotMirror.zeros(tail.ecfg.n_slots)
+  src, dst, live, h = [], [], {}, engine.host
+  old_table, ps = engine.pool.table(), engine.ecfg.page_size
+  for slot, ri in sorted(loop.live.items()):
+    n_held = int(np.count_nonzero(old_table[slot] >= 0))
+    length = int(engine.pool.lengths()[slot])
+    t = shards.index(slot // spp) * spp + slot % spp  # same row of a shard with the same rows beside it
+    _admit_at(tail.pool, t, engine.pool.seq_id(slot), length)
+    tail.pool.ensure_capacity(t, n_held * ps - length)
+    src += old_table[slot, :n_held].tolist()
+    dst += tail.pool.table()[t, :n_held].tolist()
+    row = (int(h.last_B[slot]), int(h.pos_B[slot]), int(h.seq_B[slot]), int(h.left_B[slot]), int(h.active_B[slot]),
+           tuple(int(x) for x in h.stop_BX[slot] if x >= 0))
+    for name in ("last_B", "pos_B", "seq_B", "left_B", "active_B", "stop_BX"):
+      getattr(tail.host, name)[t] = getattr(h, name)[slot]
+    tail._epoch_B[t] += 1
+    tail._rows[t] = row
+    live[t] = ri
+  N = tail.ecfg.n_pages  # fixed size: one compile; padding rows copy page 0 to page N (dropped)
+  src_N, dst_N = np.zeros(N, np.int32), np.full(N, N, np.int32)
+  src_N[: len(src)], dst_N[: len(dst)] = src, dst
+  old, new = engine.state.cache, tail.state.cache
+  k, v = _move_pages((old.k_LPSKH, old.v_LPSKH), (new.k_LPSKH, new.v_LPSKH), src_N, dst_N)
+  tail.state = tail.state.replace(cache=new.replace(k_LPSKH=k, v_LPSKH=v))
+  freed = kv_bytes(engine)
+  for slot in loop.live:
+    engine.free(slot)
+  engine._rows, engine._copies = {}, {}
+  engine.release_kv()  # the full pool's device memory goes now
+  loop.live = live
+  stream.engine = loop.engine = tail
+  tail._stream, tail._running = stream, True
+  return freed
+
+
+def restore(tail: RolloutEngine | None, engine: RolloutEngine | None = None) -> None:
+  """After the migrated stream closed: the tail engine lets its pool go; its counters join `engine`'s."""
+  if tail is not None and tail._running:
+    tail._stream, tail._running = None, False
+    tail.release_kv()
+  if tail is not None and engine is not None:
+    engine.stats.update(tail.stats)
+    tail.stats.clear()
+
+
 class TailMigration:
+  """One job's long-tail migration: `arm()` at its rollout phase's start, `on_chunk` between decode chunks,
+  `done()` once the rollout returned. `migrated_at`, `freed_kv_bytes`, `tail_steps` describe the last one."""
+
   def __init__(self, exp, pool: RoundRobin, job: str, migrate_at: float):
     self.exp, self.pool, self.job, self.migrate_at = exp, pool, job, migrate_at
     self.batch = exp.cfg.data.batch_size * exp.cfg.rl.group_size  # sequences per rollout round
+    eng = exp.engine
+    data = eng.pool.n_shards if eng.mesh is not None and "data" in eng.mesh.axis_names else 1
+    self.n_data = tail_shards(self.batch, migrate_at, eng.pool.slots_per_shard, data)
+    self.movable = self.n_data < data  # else no shard can be freed: the turn passes, the stragglers stay
+    self.n_tail = eng.pool.slots_per_shard * self.n_data
+    self.tail: RolloutEngine | None = None
     self.armed = False
     self.migrated_at: float | None = None
+    self.freed_kv_bytes = 0
+    self.moving = False  # the turn passed on; the stragglers move once they fit the tail's data shards
+    self.moved_at: float | None = None
 
   def arm(self) -> None:
     """A rollout phase of this job starts (it holds the pool)."""
-    self.armed, self.migrated_at = self.migrate_at < 1.0, None
+    restore(self.tail, self.exp.engine)
+    self.armed, self.migrated_at, self.freed_kv_bytes = self.migrate_at < 1.0, None, 0
+    self.moving, self.moved_at = False, None
 
   def on_chunk(self, engine) -> None:
-    if not self.armed:
+    if engine is self.tail:
       return
-    live = live_slots(engine)
-    if live < engine.ecfg.n_slots and live <= (1.0 - self.migrate_at) * self.batch:
-      self.armed, self.migrated_at = False, time.perf_counter()
-      self.pool.migrate(self.job)
+    if self.armed:
+      live = live_slots(engine)
+      if live >= engine.ecfg.n_slots or live > (1.0 - self.migrate_at) * self.batch:
+        return
+      self.armed, self.migrated_at, self.moving = False, time.perf_counter(), self.movable
+      self.pool.migrate(self.job)  # the next job's rollout may start now
+    if self.moving:  # until the stragglers fit the tail's shards (or they end)
+      if self.tail is None:
+        self.tail = _tail_engine(engine, self.n_data)
+      freed = move_stragglers(engine, self.tail)
+      if freed is not None:
+        self.moving, self.moved_at, self.freed_kv_bytes = False, time.perf_counter(), freed
+
+  def done(self) -> dict:
+    """The rollout returned: the tail's pool is freed; what the migration gave the next job."""
+    out = {"migrated_at": self.migrated_at, "moved_at": self.moved_at}
+    if self.moved_at is not None and self.tail is not None and self.tail._running:
+      steps = int(self.tail.stats["slot_steps"]) // self.n_tail
+      full = self.exp.engine.ecfg.n_slots
+      out.update(tail_slots=self.n_tail, tail_devices=[d.id for d in self.tail.mesh.devices.flat], tail_steps=steps,
+                 freed_slot_steps=steps * (full - self.n_tail), freed_kv_bytes=self.freed_kv_bytes)
+    restore(self.tail, self.exp.engine)
+    return out

@@ -25,6 +25,7 @@ class RoundRobin:
     self.turn = 0  # index into order of the job whose phase runs next
     self.holders: set[str] = set()  # jobs with a phase on the pool now (two while one migrates its tail)
     self.history: list[str] = []  # jobs in the order their phases were granted
+    self.moved: set[str] = set()  # holders whose turn already passed on (migrated tails)
     self._cv = threading.Condition()
 
   def _current(self) -> str | None:
@@ -45,7 +46,9 @@ class RoundRobin:
   def migrate(self, job: str) -> None:
     """`job` keeps running its stragglers; the next job of the cycle may start now."""
     with self._cv:
-      self._advance(job)
+      if job in self.holders and job not in self.moved:
+        self.moved.add(job)
+        self._advance(job)
       self._cv.notify_all()
 
   def release(self, job: str) -> None:
@@ -53,13 +56,17 @@ class RoundRobin:
       if job not in self.holders:
         raise RuntimeError(f"pool {self.name}: {job} releases a pool it does not hold")
       self.holders.discard(job)
-      self._advance(job)
+      if job in self.moved:  # its turn passed on at the migration; it may be this job's turn again by now
+        self.moved.discard(job)
+      else:
+        self._advance(job)
       self._cv.notify_all()
 
   def retire(self, job: str) -> None:
     """`job` leaves the cycle (done or failed); a phase it holds is given up."""
     with self._cv:
       self.holders.discard(job)
+      self.moved.discard(job)
       if job in self.order:
         i = self.order.index(job)
         current = self._current()
