@@ -32,12 +32,14 @@ JOBS = [("grpo_task", {}), ("dapo", {"data.source": "arithmetic", "data.task": {
                        "model.overrides": {"n_layers": 3}})]
 
 
-def job_cfg(i: int, steps: int):
+def job_cfg(i: int, steps: int, max_new_tokens: int = 24, decode_chunk: int = 2):
   name, own = JOBS[i]
   c = config_from_file(os.path.join(ROOT, "configs", f"{name}.py"), "tiny")
   common = {"run.steps": steps, "run.eval_every": 0, "reward.n_workers": 0, "run.sft_steps": 20,
             "run.sft_target_accuracy": 0.0, "data.batch_size": 8, "rl.group_size": 8, "rollout.n_slots": 64,
-            "run.deterministic": True, "reward.overlong_buffer": 3}
+            "run.deterministic": True, "reward.overlong_buffer": 3,
+            # longer answers in short chunks: a rollout has a tail of several chunks (long-tail migration moves it)
+            "rollout.max_new_tokens": max_new_tokens, "rollout.decode_chunk": decode_chunk}
   for dotted, value in {**common, **own}.items():
     node = c
     *path, last = dotted.split(".")
@@ -108,6 +110,22 @@ def main() -> None:
                     "steps_per_s_alone_on_as_many_pool_pairs": solo_sph,
                     "throughput_per_pool_pair_vs_solo": group_sph / (solo_sph / args.jobs),
                     "warm_switch_s_mean": sum(park) / len(park)}))
+  print(json.dumps({**meta, **migration(group.spans)}))
+
+
+def migration(spans: list[dict]) -> dict:
+  """What long-tail migration gave: rollout phases whose turn passed early, those whose stragglers moved to the
+  tail engine's data shards, and what that freed (decode slot-steps, KV bytes, seconds the freed shards did
+  none of the job's work while its tail ran)."""
+  rolls = [s for s in spans if s["pool"] == "rollout"]
+  moved = [s for s in rolls if s.get("moved_at") is not None]
+  return {"rollout_phases": len(rolls), "turn_passed_early": sum(s.get("migrated_at") is not None for s in rolls),
+          "stragglers_moved": len(moved), "tail_devices": moved[0]["tail_devices"] if moved else [],
+          "freed_slot_steps": sum(s["freed_slot_steps"] for s in moved),
+          "tail_slot_steps": sum(s["tail_steps"] * s["tail_slots"] for s in moved),
+          "freed_kv_bytes_per_move": moved[0]["freed_kv_bytes"] if moved else 0,
+          "freed_shard_s": sum(s["end"] - s["moved_at"] for s in moved),
+          "early_turn_s": sum(s["end"] - s["migrated_at"] for s in rolls if s.get("migrated_at") is not None)}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 Writes record.md, record.json, timelines.png and split_sweep.png into --out. Without --workdir the
 simulator runs on the stated assumptions; with it, on the run's measured spans, and the record adds
 the measured breakdown and staleness (exiting non-zero if the staleness bound was ever exceeded).
+A --workdir of launchers/mux.py (a co-execution group, no --config) gets group.md, group.json and
+group_timeline.png instead: every job's phases on each pool, from the group's mux_spans.jsonl.
 """
 
 import sys
@@ -37,6 +39,13 @@ def main(argv: Sequence[str]) -> None:
 
   if _CONFIG.value is None and _WORKDIR.value is None:
     raise app.UsageError("give --config, or --workdir of a run (its config.json is used)")
+  from jaxrl_topo.review import group
+
+  if _CONFIG.value is None and group.is_group(_WORKDIR.value):  # a co-execution group (launchers/mux.py)
+    fig = group.write_group_record(_WORKDIR.value, _OUT.value)
+    print(group.to_markdown(fig))
+    print(f"wrote {_OUT.value}/group.md, group.json, group_timeline.png ({len(fig['jobs'])} jobs)")
+    return
   cfg = from_config_dict(_CONFIG.value) if _CONFIG.value is not None else run.load_config(_WORKDIR.value)
   a = Assumptions(n_devices=_N_DEVICES.value, decode_tokens_per_s_per_device=_DECODE.value,
                   per_seq_tokens_per_s=_PER_SEQ.value, train_s=_TRAIN_S.value, link_gbps=_LINK.value,

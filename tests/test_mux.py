@@ -81,6 +81,12 @@ def solo(tmp_path_factory):
 def _group(tmp_path, jids, migrate_at=0.5, hooks_for=None) -> tuple[Group, dict]:
   group = Group([JobSpec(j, job_cfg(j), str(tmp_path / j)) for j in jids], MuxConfig(migrate_at=migrate_at),
                 str(tmp_path))
+  group.build()
+  for job in group.jobs.values():  # count syncs through the job's own plan (rollout devices): warm ones skip it
+    if job.exp is not None:
+      job.plan_runs = calls = []
+      run = job.exp.sync.inner.plan.run
+      job.exp.sync.inner.plan.run = lambda *a, _run=run, _calls=calls, **k: (_calls.append(1), _run(*a, **k))[1]
   return group, group.run(hooks_for)
 
 
@@ -133,6 +139,12 @@ def test_warm_switches_park_state_in_host_memory_and_never_recompile(pair):
       kinds = {getattr(getattr(x, "sharding", None), "memory_kind", "numpy") for x in jax.tree.leaves(parked.host)}
       assert kinds == {warm.HOST_KIND}, kinds
   assert all(s["load_s"] >= 0 and s["park_s"] >= 0 for s in group.spans)
+  # A finished train phase wrote its weights straight into the host copy: never through the rollout devices'
+  # plan, and the host copy is laid out for the rollout devices (4-7), which unpark puts it back onto.
+  for job in group.jobs.values():
+    assert job.plan_runs == [], "a sync went through the rollout devices"
+    host = jax.tree.leaves(job.exp.engine.params.host)
+    assert {d.id for x in host for d in x.sharding.device_set} == {4, 5, 6, 7}
 
 
 @pytest.mark.slow
@@ -164,12 +176,14 @@ def test_residency_beyond_host_memory_is_refused_naming_jobs_and_bytes(tmp_path)
                 MuxConfig(host_memory_gb=1e-4), str(tmp_path))
   with pytest.raises(ValueError, match=r"mux\.host_memory_gb") as e:
     group.build()
+  assert all(j.exp is None for j in group.jobs.values())  # refused from the configs, before anything was built
   msg = str(e.value)
   assert "a: " in msg and "b: " in msg and "train state" in msg
-  a = group.jobs["a"].exp
-  assert f"{warm.tree_bytes(a.state) + warm.tree_bytes(a.engine.params):,} B" in msg
-  for j in group.jobs.values():
-    j.exp.close()
+  a = experiment.build(on_policy(job_cfg("a", **{"run.sft_steps": 0})), str(tmp_path / "solo_a"))
+  try:  # the planned bytes are the built job's
+    assert f"a: {warm.tree_bytes(a.state) + warm.tree_bytes(a.engine.params):,} B" in msg
+  finally:
+    a.close()
 
 
 def test_round_robin_pool_passes_over_retired_jobs_and_migrated_tails():

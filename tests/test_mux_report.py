@@ -32,3 +32,30 @@ def test_timeline_png_is_written(tmp_path):
   path = report.plot_timeline(SPANS, str(tmp_path / "t.png"))
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_review_of_a_group_workdir_shows_each_jobs_phases(tmp_path):
+  """review/group.py and `launchers/review.py --workdir=<a mux workdir>` read mux_spans.jsonl."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from jaxrl_topo.review import group
+
+  with open(tmp_path / "mux_spans.jsonl", "w") as f:
+    f.writelines(json.dumps({**s, "phase": s["pool"], "devices": [0]}) + "\n" for s in SPANS)
+  fig = group.summary(group.read_group_spans(str(tmp_path)))
+  assert fig["jobs"]["a"]["train"] == {"phases": 2, "busy_s": 4.0, "mean_s": 2.0, "migrated": 0, "moved": 0}
+  assert fig["jobs"]["b"]["rollout"]["migrated"] == 1 and fig["jobs"]["b"]["rollout"]["busy_s"] == 2.5
+  assert [(s["role"], s["step"], s["start"]) for s in group.job_spans(SPANS, "a")] == \
+      [("rollout", 0, 0), ("train", 0, 2), ("train", 1, 7)]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, os.path.join(root, "launchers", "review.py"), f"--workdir={tmp_path}",
+                        f"--out={tmp_path / 'rev'}"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "| a | train | 2 | 4.000 | 2.000 | 0 | 0 |" in out.stdout
+  assert (tmp_path / "rev" / "group_timeline.png").stat().st_size > 0
+  with pytest.raises(FileNotFoundError, match="not a co-execution group"):
+    group.read_group_spans(str(tmp_path / "rev"))

@@ -105,8 +105,16 @@ class Group:
   # ------------------------------------------------------------ admission
 
   def build(self) -> None:
-    """Builds every job (a job that fails to build is reported and left out), checks that they share the
-    same two disjoint pools and that their host-resident state fits, then parks every job's state."""
+    """Checks, from the configs alone (nothing built yet), that the group's host-resident state fits; builds
+    every job (a job that fails to build is reported and left out), checks that they share the same two
+    disjoint pools, then parks every job's state. One process is one node: every job's state lives here."""
+    planned = []
+    for jid, job in self.jobs.items():
+      try:
+        planned.append(warm.planned_residency(jid, job.spec.cfg))
+      except Exception:  # noqa: BLE001  (a config that cannot be sized fails at its build, reported there)
+        logging.warning("mux: job %s: host residency not sized from its config:\n%s", jid, traceback.format_exc())
+    warm.check_residency(planned, self.mux.host_memory_gb)
     for jid, job in self.jobs.items():
       try:
         job.exp = experiment_lib.build(job.spec.cfg, job.spec.workdir, warmup=True)
@@ -120,8 +128,6 @@ class Group:
       elif pools != self.pools:
         raise ValueError(f"mux: job {job.spec.job_id} uses pools {pools}, the group {self.pools}: every job of a "
                          "group needs the same topology (set --config.topology.* for all jobs)")
-    warm.check_residency([warm.Residency(j.spec.job_id, warm.tree_bytes(j.exp.state),
-                                         warm.tree_bytes(j.exp.engine.params)) for j in built], self.mux.host_memory_gb)
     for job in built:
       exp = job.exp
       exp.sync = warm.HostSync(exp.sync)

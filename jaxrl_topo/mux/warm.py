@@ -13,6 +13,8 @@ host-side rollout copy (the engine then holds that copy until the job's next rol
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 
 import jax
 import numpy as np
@@ -63,19 +65,50 @@ def unpark(parked: Parked):
 
 
 class HostSync:
-  """A job's weight sync whose destination is its host-side rollout copy: trainer state -> rollout layout
-  (the job's own TransferPlan, unchanged) -> host memory. `old` (the previous host copy) is freed first."""
+  """A job's weight sync whose destination is its host-side rollout copy, written straight from the train
+  devices: the policy is cast to the rollout dtype on the trainer, then put into host memory in the rollout
+  layout (`pinned_host` shardings of the rollout devices where they offer it, else numpy), so no rollout
+  device holds or moves a byte of it; the job's next rollout phase loads it (`unpark`). The old host copy is
+  freed first. Its stats are the job's own plan's (same bytes and buckets as a solo run's full sync).
+  sync.mode='lora' keeps the plan's path (the merge runs on the rollout side), then parks the result."""
 
   def __init__(self, inner):
     if inner.mode == "delta":
       raise ValueError("mux: sync.mode='delta' compares against the rollout side's last copy, which a warm "
                        "switch parks in host memory; use sync.mode='full' or 'lora'")
     self.inner = inner
+    self.direct = inner.mode == "full"
 
   def __getattr__(self, name):
     return getattr(self.inner, name)
 
   def __call__(self, state, old):
+    if not (self.direct and isinstance(old, Parked)):
+      return self._via_plan(state, old)
+    t = time.perf_counter()
+    shardings, dtypes = old.shardings, jax.tree.map(lambda x: np.dtype(x.dtype), old.host)
+    for x in jax.tree.leaves(old.host):
+      if isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+    cast = jax.tree.map(lambda x, d: x.astype(d), self.inner.policy(state), dtypes)  # on the train devices
+    leaves = jax.tree.leaves(shardings)
+    if leaves and all(HOST_KIND in {m.kind for d in s.device_set for m in d.addressable_memories()} for s in leaves):
+      host = jax.device_put(cast, jax.tree.map(lambda s: s.with_memory_kind(HOST_KIND), shardings))
+    else:
+      host = jax.device_get(cast)
+    jax.block_until_ready(host)
+    policy = set(map(id, jax.tree.leaves(self.inner.policy(state))))
+    for x in jax.tree.leaves(cast):
+      if id(x) not in policy:  # a cast copy (an astype to the same dtype is the trainer's own array)
+        x.delete()
+    plan = self.inner.plan
+    total = sum(b.nbytes for b in plan.buckets)
+    stats = {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(total),
+             "sync/changed_frac": total / plan.bytes_total if plan.bytes_total else 0.0,
+             "sync/buckets": float(len(plan.buckets))}
+    return Parked(host, shardings), stats
+
+  def _via_plan(self, state, old):
     if isinstance(old, Parked):
       old = old.host
     for x in jax.tree.leaves(old):
@@ -96,6 +129,25 @@ class Residency:
   @property
   def total(self) -> int:
     return self.train_state_bytes + self.rollout_bytes
+
+
+def planned_residency(job: str, cfg) -> Residency:
+  """A job's host-resident bytes from its config alone (abstract shapes; nothing is built or allocated): the
+  train state (`train/state.py` init traced on the model's abstract parameters) and the rollout weights (the
+  policy in the model dtype)."""
+  from jaxrl_topo.models.model import abstract_model
+  from jaxrl_topo.review.bytes import model_config
+  from jaxrl_topo.train import state as state_lib
+  from jaxrl_topo.train.optim import make_optimizer
+
+  model_cfg, _ = model_config(cfg)
+  _, params = abstract_model(model_cfg)
+  params = params.shapes
+  tcfg = cfg.train_config
+  init = functools.partial(state_lib._init, cfg=tcfg, tx=make_optimizer(tcfg.optim), d_model=model_cfg.d_model)
+  train_state = jax.eval_shape(init, params, jax.random.key(0))
+  rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(model_cfg.dtype)), params)
+  return Residency(job, tree_bytes(train_state), tree_bytes(rollout))
 
 
 def check_residency(residents: list[Residency], host_memory_gb: float) -> None:

@@ -1,0 +1,81 @@
+"""The review of a co-execution group (launchers/mux.py workdir): every job's phases from `mux_spans.jsonl`.
+
+A group's spans carry the job id (`job`, `pool`, `step`, `start`, `end`, `devices`, migration fields); this
+page splits them per job, in the span format a solo run writes (`job_spans`: phase, role, devices, step,
+start, end), so the per-run tools (review/audit.py, review/simulator.py calibration) can read one job's
+timeline out of a group, and writes group.md / group.json (per job and pool: phases, busy seconds, mean
+phase, migrations; per pool: busy fraction) and group_timeline.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+from jaxrl_topo.mux import report
+
+MUX_SPANS = "mux_spans.jsonl"
+
+
+def is_group(workdir: str) -> bool:
+  return os.path.isfile(os.path.join(workdir, MUX_SPANS))
+
+
+def read_group_spans(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, MUX_SPANS)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: not a co-execution group's workdir (launchers/mux.py writes it)")
+  return report.read_spans(path)
+
+
+def job_spans(spans: Sequence[Mapping], job: str) -> list[dict]:
+  """One job's phases in a solo run's span format (runtime/run.py `read_spans`)."""
+  return [{"phase": s.get("phase", s["pool"]), "role": s["pool"], "devices": list(s.get("devices", [])),
+           "step": s["step"], "gen_id": s["step"], "start": s["start"], "end": s["end"]}
+          for s in spans if s["job"] == job]
+
+
+def per_job(spans: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
+  """{job: {pool: {phases, busy_s, mean_s, migrated, moved}}}, jobs in order of their first phase."""
+  out: dict[str, dict[str, dict]] = {}
+  for s in sorted(spans, key=lambda s: s["start"]):
+    row = out.setdefault(s["job"], {}).setdefault(s["pool"], {"phases": 0, "busy_s": 0.0, "migrated": 0, "moved": 0})
+    row["phases"] += 1
+    row["busy_s"] += s["end"] - s["start"]
+    row["migrated"] += s.get("migrated_at") is not None
+    row["moved"] += s.get("moved_at") is not None
+  for pools in out.values():
+    for row in pools.values():
+      row["mean_s"] = row["busy_s"] / row["phases"]
+  return out
+
+
+def summary(spans: Sequence[Mapping]) -> dict:
+  if not spans:
+    raise ValueError("group review: no spans")
+  return {"jobs": per_job(spans), "busy_fraction": report.busy_fractions(spans)}
+
+
+def to_markdown(fig: Mapping) -> str:
+  lines = ["# Co-execution group", "", "| job | pool | phases | busy s | mean phase s | migrated | moved |",
+           "|---|---|---|---|---|---|---|"]
+  for job, pools in fig["jobs"].items():
+    for pool, r in pools.items():
+      lines.append(f"| {job} | {pool} | {r['phases']} | {r['busy_s']:.3f} | {r['mean_s']:.3f} | {r['migrated']} | "
+                   f"{r['moved']} |")
+  lines += ["", "Busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in fig["busy_fraction"].items()), ""]
+  return "\n".join(lines)
+
+
+def write_group_record(workdir: str, out_dir: str) -> dict:
+  """group.md, group.json and group_timeline.png of a group's workdir into `out_dir`; returns the summary."""
+  spans = read_group_spans(workdir)
+  fig = summary(spans)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "group.json"), "w") as f:
+    json.dump(fig, f, indent=2)
+  with open(os.path.join(out_dir, "group.md"), "w") as f:
+    f.write(to_markdown(fig))
+  report.plot_timeline(spans, os.path.join(out_dir, "group_timeline.png"))
+  return fig
