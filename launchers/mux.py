@@ -10,7 +10,9 @@ Every job is an ordinary config file (`path:arg`), run in `<workdir>/<job id>` (
 a job's own overrides follow its config, comma-separated (`--job=configs/dapo.py:tiny,run.seed=3,rl.group_size=8`;
 a value cannot hold a comma). All jobs must carve the same pools (same topology). A job that fails is
 reported with its id; the others go on. `<workdir>` gets mux_spans.jsonl (every phase, with its job id),
-mux_summary.json (per job: ok/error and steps; per pool: busy fraction) and mux_timeline.png.
+mux_summary.json (per job: ok/error and steps; per pool: busy fraction) and mux_timeline.png. Each job
+checkpoints every `run.checkpoint_every` steps and at its end; running the launcher again on the same
+workdir resumes every job from its newest checkpoint (a finished job has nothing left to do).
 """
 
 import json
@@ -52,16 +54,18 @@ def main(argv: Sequence[str]) -> None:
     jid, config = parse_job(spec, COMMON, i)
     configs[jid] = config
     specs.append(JobSpec(jid, from_config_dict(config), os.path.join(workdir, jid)))
-  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value), workdir)
+  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value), workdir,
+                checkpoints=True)
   for s in specs:
     run.save_config(configs[s.job_id], s.workdir)
   group.build()
   writers = {}
 
   def hooks_for(jid, exp):  # each job's metrics.jsonl and spans.jsonl, as a solo run writes them
-    cfg = group.jobs[jid].spec.cfg
-    writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False)
-    hooks, _ = run._hooks(cfg, exp, None, writers[jid], float("nan"), exp_dir(jid))
+    cfg, start = group.jobs[jid].spec.cfg, group.jobs[jid].start
+    writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False,
+                                 start_step=start, resume=start > 0)
+    hooks, _ = run._hooks(cfg, exp, None, writers[jid], float("nan"), exp_dir(jid), start)  # the group checkpoints
     return hooks
 
   def exp_dir(jid):

@@ -229,3 +229,28 @@ def test_park_and_unpark_round_trip_exactly():
   assert x.is_deleted() and parked.host["w"].sharding.memory_kind == warm.HOST_KIND
   back = warm.unpark(parked)["w"]
   assert back.sharding == x.sharding and np.array_equal(np.asarray(back), want)
+
+
+@pytest.mark.slow
+def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_uninterrupted_group(tmp_path, solo):
+  """Both jobs checkpoint each step; both break after step 1 (as a killed group would stop); the group run
+  again on the same workdir resumes each from its step-2 checkpoint, and its last step equals the solo
+  (= uninterrupted group, test above) step 2 bit for bit."""
+  def make(hooks_for=None):
+    specs = [JobSpec(j, job_cfg(j, **{"run.checkpoint_every": 1}), str(tmp_path / j)) for j in "ab"]
+    group = Group(specs, MuxConfig(migrate_at=0.5), str(tmp_path), checkpoints=True)
+    return group, group.run(hooks_for)
+
+  def breaks(jid, exp):
+    def on_step(step, m):
+      if step == 1:
+        raise RuntimeError("killed")
+    return loop.LoopHooks(on_step=on_step)
+
+  _, first = make(breaks)
+  assert not first["a"]["ok"] and not first["b"]["ok"]
+  group, again = make()
+  for jid in "ab":
+    assert again[jid]["ok"] and again[jid]["resumed_from"] == 2, again
+    got = comparable(group.jobs[jid].metrics)
+    assert [r["step"] for r in got] == [2] and got[0] == solo(jid)[2], f"job {jid}"

@@ -32,7 +32,7 @@ import traceback
 import jax
 from absl import logging
 
-from jaxrl_topo.mux import warm
+from jaxrl_topo.mux import resume, warm
 from jaxrl_topo.mux.migrate import TailMigration
 from jaxrl_topo.mux.pools import RoundRobin
 from jaxrl_topo.runtime import experiment as experiment_lib
@@ -75,6 +75,8 @@ class _Job:
   metrics: list[dict] = dataclasses.field(default_factory=list)
   error: str | None = None
   compiled: dict = dataclasses.field(default_factory=dict)  # program -> cache size after the first cycle
+  ckpt: object = None  # its Checkpointer (`<workdir>/checkpoints`), when the group checkpoints
+  start: int = 0  # the step it resumes at (its newest checkpoint's), 0 for a fresh job
 
 
 def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
@@ -89,11 +91,11 @@ def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
 class Group:
   """Build with `Group(specs, mux_cfg, workdir)`, then `run()` -> {job id: summary or error}."""
 
-  def __init__(self, specs: list[JobSpec], mux: MuxConfig, workdir: str):
+  def __init__(self, specs: list[JobSpec], mux: MuxConfig, workdir: str, checkpoints: bool = False):
     ids = [s.job_id for s in specs]
     if len(set(ids)) != len(ids) or not ids:
       raise ValueError(f"mux: job ids must be distinct and non-empty, got {ids}")
-    self.mux, self.workdir = mux, workdir
+    self.mux, self.workdir, self.checkpoints = mux, workdir, checkpoints
     self.jobs = {s.job_id: _Job(dataclasses.replace(s, cfg=on_policy(s.cfg))) for s in specs}
     self.rollout_pool = RoundRobin("rollout", ids)
     self.train_pool = RoundRobin("train", ids)
@@ -117,7 +119,7 @@ class Group:
     warm.check_residency(planned, self.mux.host_memory_gb)
     for jid, job in self.jobs.items():
       try:
-        job.exp = experiment_lib.build(job.spec.cfg, job.spec.workdir, warmup=True)
+        resume.build_job(job, self.checkpoints)
       except Exception:  # noqa: BLE001  (isolation: reported with the job id)
         self._fail(jid, traceback.format_exc())
     built = [j for j in self.jobs.values() if j.exp is not None]
@@ -180,6 +182,7 @@ class Group:
 
     def on_trained(step: int, traj) -> None:
       extra.on_trained(step, traj)
+      resume.save(job, step + 1, traj.data_state)  # while the state is on the train pool
       t = time.perf_counter()
       exp.state = warm.park(exp.state)
       end = time.perf_counter()
@@ -205,7 +208,7 @@ class Group:
       ctx = (contextlib.nullcontext() if cfg.model.matmul_precision == "default"
              else jax.default_matmul_precision(cfg.model.matmul_precision))
       with ctx:
-        loop_lib.train_loop(job.exp, hooks=self._hooks(job, hooks))
+        loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks))
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
       self._fail(jid, traceback.format_exc())
     finally:
@@ -233,7 +236,10 @@ class Group:
     self._write_spans()
     out = {}
     for jid, job in self.jobs.items():
-      out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall}
+      out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall,
+                  "resumed_from": job.start}
+      if job.ckpt is not None:
+        job.ckpt.close()
       if job.exp is not None:
         job.exp.close()
     return out

@@ -1,0 +1,45 @@
+"""Checkpoints and resume of a group's jobs: re-running a group on its workdir resumes each job from its own
+newest checkpoint (`<job workdir>/checkpoints`, the same orbax layout and meta as a solo run's, runtime/run.py).
+
+A job is strictly on-policy (eta = 0), so a checkpoint after step k holds everything its step k+1 needs: the
+train state, the prompt iterator's state after batch k, and the weights version k (the rollout copy is rebuilt
+from the restored state). A group checkpoints every `run.checkpoint_every` steps and at the last step, inside
+the train phase (the state is on the train pool), and waits for the save to commit before the state is parked.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxrl_topo.runtime import experiment as experiment_lib
+from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
+
+
+def build_job(job, checkpoints: bool) -> None:
+  """Builds `job.exp`; with `checkpoints`, opens its Checkpointer and restores its newest checkpoint (the
+  supervised warm-up is then skipped, as a resumed solo run skips it), setting `job.start`."""
+  cfg, workdir = job.spec.cfg, job.spec.workdir
+  job.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints) if checkpoints else None
+  latest = job.ckpt.latest_step() if job.ckpt is not None else None
+  job.exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  if latest is None:
+    return
+  exp = job.exp
+  exp.state, meta = job.ckpt.restore(latest, abstract_like(exp.state))
+  job.start = int(meta["step"])
+  exp.prompts.set_state(meta["data_state"])  # after the last trained batch
+  if job.start > 0:
+    loop_lib.sync_weights(exp, job.start)
+
+
+def save(job, done: int, data_state) -> None:
+  """Checkpoint after `done` steps when due (every run.checkpoint_every, and the last); committed on return."""
+  cfg = job.spec.cfg
+  every = cfg.run.checkpoint_every
+  if job.ckpt is None or not (done == cfg.run.steps or (every and done % every == 0)):
+    return
+  meta = {"step": done, "gen_id": done, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
+          "accuracy_before": None, "in_flight": []}
+  job.ckpt.save(done, job.exp.state, meta)
+  job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
