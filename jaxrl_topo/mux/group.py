@@ -77,6 +77,7 @@ class _Job:
   compiled: dict = dataclasses.field(default_factory=dict)  # program -> cache size after the first cycle
   ckpt: object = None  # its Checkpointer (`<workdir>/checkpoints`), when the group checkpoints
   start: int = 0  # the step it resumes at (its newest checkpoint's), 0 for a fresh job
+  tail: TailMigration | None = None  # its long-tail migration (and tail engine)
 
 
 def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
@@ -132,6 +133,8 @@ class Group:
                          "group needs the same topology (set --config.topology.* for all jobs)")
     for job in built:
       exp = job.exp
+      job.tail = TailMigration(exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
+      job.tail.warm()  # its tail engine's programs compile now, not in its first migration
       exp.sync = warm.HostSync(exp.sync)
       exp.state = warm.park(exp.state)
       exp.engine.params = warm.park(exp.engine.params)
@@ -153,7 +156,7 @@ class Group:
   def _hooks(self, job: _Job, extra: loop_lib.LoopHooks) -> loop_lib.LoopHooks:
     jid, exp = job.spec.job_id, job.exp
     held: dict[str, float] = {}
-    tail = TailMigration(exp, self.rollout_pool, jid, self.mux.migrate_at)
+    tail = job.tail
 
     def on_phase_start(phase: str, step: int) -> None:
       pool = self.rollout_pool if phase == "rollout" else self.train_pool

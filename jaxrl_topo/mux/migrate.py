@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxrl_topo.mux.pools import RoundRobin
-from jaxrl_topo.rollout.engine import RolloutEngine
+from jaxrl_topo.rollout.engine import Request, RolloutEngine
 from jaxrl_topo.rollout.host_state import _SlotMirror
 
 
@@ -197,6 +197,22 @@ class TailMigration:
     self.freed_kv_bytes = 0
     self.moving = False  # the turn passed on; the stragglers move once they fit the tail's data shards
     self.moved_at: float | None = None
+
+  def warm(self) -> None:
+    """Builds the tail engine and compiles its programs now (the job is being built, its weights on the rollout
+    pool): one two-token request through it and an empty page move, so no move compiles inside a phase."""
+    if not self.movable or self.tail is not None:
+      return
+    eng = self.exp.engine
+    self.tail = tail = _tail_engine(eng, self.n_data)
+    tail.run([Request([eng.ecfg.pad_id], n=1, max_new_tokens=2)], key=eng.key)
+    N = tail.ecfg.n_pages
+    old, new = eng.state.cache, tail.state.cache
+    k, v = _move_pages((old.k_LPSKH, old.v_LPSKH), (new.k_LPSKH, new.v_LPSKH), np.zeros(N, np.int32),
+                       np.full(N, N, np.int32))
+    tail.state = tail.state.replace(cache=new.replace(k_LPSKH=k, v_LPSKH=v))
+    tail.release_kv()
+    tail.stats.clear()
 
   def arm(self) -> None:
     """A rollout phase of this job starts (it holds the pool)."""
