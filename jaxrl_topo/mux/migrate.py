@@ -1,27 +1,28 @@
-"""Long-tail migration: once `mux.migrate_at` of a rollout's sequences have ended, the stragglers move to a
-small tail engine and the next job's rollout starts.
+"""Long-tail migration: once `mux.migrate_at` of a rollout's sequences have ended, the rollout turn passes to
+the next job and the stragglers move onto a subset of the rollout devices.
 
 Between decode chunks the job's engine is asked how many of its slots still hold a live sequence. When at
-most (1 - migrate_at) of the batch is left and nothing waits for admission, the stragglers are moved:
+most (1 - migrate_at) of the batch is left, the turn moves on (`RoundRobin.migrate`); from then on, at each
+chunk, the stragglers move as soon as nothing waits for admission and they sit in at most `tail_shards`
+of the rollout mesh's data shards:
 
-  tail engine   a second `RolloutEngine` of the job, built once (first migration) on the same rollout mesh
-                and the same weight arrays (no copy), with `tail_slots` decode rows instead of `n_slots`
-                and pages for just those rows at full length
-  the move      the dispatched chunk is read; each straggler gets a tail slot (any data shard) with as
-                many pages as it held, its pages' K/V are copied over (one jitted gather/scatter), its slot
-                row (last token, position, sequence id, budget, stop ids) goes with the tail's next patch,
-                and the stream's slot map is rewritten; the stream decodes on the tail engine from then on
-  freed         the job's full KV pool is deleted at once (its device memory is the next job's), and each
-                remaining decode step of the stragglers costs `tail_slots` rows, not `n_slots`
-                (`freed_slot_steps` in the span: tail steps x (n_slots - tail_slots))
+  tail engine   a second `RolloutEngine` of the job on the first `tail_shards` data shards of the rollout mesh
+                (all their tensor devices), each shard with the full engine's rows, pages for those rows at
+                full length, the weights laid out on that sub-mesh; built and compiled at the group's build
+  the move      the dispatched chunk is read; old data shard d's stragglers go, together, to the same rows of
+                one tail shard (so each decode step sees the same rows beside it: the paged read's width, and
+                so its numbers, depend on the longest co-resident row); their pages' K/V are gathered on the
+                full mesh, sent to the tail's devices and scattered into its pool; their slot rows (last
+                token, position, sequence id, budget, stop ids) go with the tail's next patch, and the
+                stream's slot map is rewritten: the stream decodes on the tail engine from then on
+  freed         the job's full KV pool is deleted at once, and the other data shards' devices run none of the
+                job's programs until its rollout ends (span fields: tail_devices, tail_steps,
+                freed_slot_steps = tail steps x (n_slots - tail rows), freed_kv_bytes)
 
-then the rollout pool's turn moves on (`RoundRobin.migrate`). Sampling keys depend on (key, sequence id,
-position) only and each row's decode reads only its own pages, so the stragglers' tokens and log-probs are
-those of an unmigrated run, bit for bit (tests/test_mux_migrate.py). After the stream closes, `restore`
-frees the tail's pool; the next rollout runs on the full engine again.
-
-The stragglers keep the whole rollout mesh (their rows are spread over its data shards); what they give up
-is rows and pages, not devices.
+Sampling keys depend on (key, sequence id, position) only, so the stragglers' tokens and log-probs are those
+of an unmoved run, bit for bit (tests/test_mux_migrate.py). After the stream closes, `restore` frees the
+tail's pool; the next rollout runs on the full engine again. Not done: the next job's rollout still spans the
+whole rollout mesh (its engine is not resized onto the freed shards).
 """
 
 from __future__ import annotations
