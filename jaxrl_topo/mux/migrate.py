@@ -201,12 +201,14 @@ class TailMigration:
 
   def warm(self) -> None:
     """Builds the tail engine and compiles its programs now (the job is being built, its weights on the rollout
-    pool): one two-token request through it and an empty page move, so no move compiles inside a phase."""
+    pool): one two-token request through it, a patch and an empty page move, so no move compiles in a phase."""
     if not self.movable or self.tail is not None:
       return
     eng = self.exp.engine
     self.tail = tail = _tail_engine(eng, self.n_data)
-    tail.run([Request([eng.ecfg.pad_id], n=1, max_new_tokens=2)], key=eng.key)
+    tail.run([Request([eng.ecfg.pad_id], n=1, max_new_tokens=2)], key=_on(eng.key, tail.mesh))  # as a move sets it
+    tail._rows[0] = (0, 0, 0, 0, 0, ())  # an idle row: compiles the tail's patch (a move's rows go with one)
+    tail._flush()
     N = tail.ecfg.n_pages
     old, new = eng.state.cache, tail.state.cache
     k, v = _move_pages((old.k_LPSKH, old.v_LPSKH), (new.k_LPSKH, new.v_LPSKH), np.zeros(N, np.int32),
