@@ -57,6 +57,11 @@ def submesh(mesh: jax.sharding.Mesh, n_data: int) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 
 
+def _key_on(key, mesh: jax.sharding.Mesh):
+  """The sampling key, replicated on `mesh` (one layout whatever the caller's: the tail compiles once)."""
+  return jax.device_put(key, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def _on(tree, mesh: jax.sharding.Mesh):
   """Arrays laid out on another mesh with the same axis names: same PartitionSpecs (a device-local copy where
   the spec does not split over `data`, as rollout weights do not)."""
@@ -134,7 +139,7 @@ def move_stragglers(engine: RolloutEngine, tail: RolloutEngine) -> int | None:
     return None
   tail._ensure_kv()
   tail.params = _on(engine.params, tail.mesh)
-  tail.gen_id, tail.key, tail.sampling = engine.gen_id, _on(engine.key, tail.mesh), engine.sampling
+  tail.gen_id, tail.key, tail.sampling = engine.gen_id, _key_on(engine.key, tail.mesh), engine.sampling
   tail.host = _SlotMirror.zeros(tail.ecfg.n_slots)
   src, dst, live, h = [], [], {}, engine.host
   old_table, ps = engine.pool.table(), engine.ecfg.page_size
@@ -206,7 +211,7 @@ class TailMigration:
       return
     eng = self.exp.engine
     self.tail = tail = _tail_engine(eng, self.n_data)
-    tail.run([Request([eng.ecfg.pad_id], n=1, max_new_tokens=2)], key=_on(eng.key, tail.mesh))  # as a move sets it
+    tail.run([Request([eng.ecfg.pad_id], n=1, max_new_tokens=2)], key=_key_on(eng.key, tail.mesh))  # as a move sets it
     tail._rows[0] = (0, 0, 0, 0, 0, ())  # an idle row: compiles the tail's patch (a move's rows go with one)
     tail._flush()
     N = tail.ecfg.n_pages
