@@ -45,6 +45,19 @@ def test_admit_and_ensure_capacity_by_hand():
   pool.check()
 
 
+def test_admit_into_a_given_slot_takes_that_slots_shard():
+  """`slot=`: the sequence lands in that slot, with pages of the slot's own data shard; a busy slot, a slot
+  out of range or a seq id already admitted are errors that change nothing."""
+  pool = PagePool(n_pages=8, page_size=4, n_slots=4, max_pages_per_seq=2, n_shards=2)
+  assert pool.admit("a", 5, slot=3) == 3
+  np.testing.assert_array_equal(pool.table()[3], [4, 5])  # shard 1 owns pages 4..7
+  for bad in (dict(seq_id="b", slot=3), dict(seq_id="b", slot=4), dict(seq_id="a", slot=0)):
+    with pytest.raises(ValueError):
+      pool.admit(bad["seq_id"], 2, slot=bad["slot"])
+  np.testing.assert_array_equal(pool.lengths(), [0, 0, 0, 5])
+  pool.check()
+
+
 def test_fork_shares_full_pages_and_copies_the_partial_one():
   """6 tokens on pages [0, 1] (page 1 half full): each child shares page 0, gets a copy of 1."""
   pool = PagePool(n_pages=8, page_size=4, n_slots=4, max_pages_per_seq=3)

@@ -107,16 +107,6 @@ def _tail_engine(engine: RolloutEngine, n_data: int) -> RolloutEngine:
   return tail
 
 
-def _admit_at(pool, slot: int, seq_id, n_tokens: int) -> None:
-  """`PagePool.admit` into a given free slot (admit takes the shard's lowest free one)."""
-  if pool.seq_id(slot) is not None:
-    raise ValueError(f"slot {slot} is busy")
-  shard = pool.shard_of_slot(slot)
-  pages = pool._alloc(pool._pages_for(n_tokens), f"migrate seq {seq_id!r}", shard)
-  pool._table_BM[slot, : len(pages)] = pages
-  pool._occupy(slot, seq_id, n_tokens)
-
-
 def move_stragglers(engine: RolloutEngine, tail: RolloutEngine) -> int | None:
   """Moves the open stream's live sequences from `engine` onto `tail`; returns the KV bytes freed, or None
   (nothing moved) when the stream is not in a state to move: requests wait, weights are pending, or the
@@ -142,12 +132,12 @@ def move_stragglers(engine: RolloutEngine, tail: RolloutEngine) -> int | None:
   tail.gen_id, tail.key, tail.sampling = engine.gen_id, _key_on(engine.key, tail.mesh), engine.sampling
   tail.host = _SlotMirror.zeros(tail.ecfg.n_slots)
   src, dst, live, h = [], [], {}, engine.host
-  old_table, ps = engine.pool.table(), engine.ecfg.page_size
+  old_table, lengths, ps = engine.pool.table(), engine.pool.lengths(), engine.ecfg.page_size
   for slot, ri in sorted(loop.live.items()):
     n_held = int(np.count_nonzero(old_table[slot] >= 0))
-    length = int(engine.pool.lengths()[slot])
+    length = int(lengths[slot])
     t = shards.index(slot // spp) * spp + slot % spp  # same row of a shard with the same rows beside it
-    _admit_at(tail.pool, t, engine.pool.seq_id(slot), length)
+    tail.pool.admit(engine.pool.seq_id(slot), length, slot=t)
     tail.pool.ensure_capacity(t, n_held * ps - length)
     src += old_table[slot, :n_held].tolist()
     dst += tail.pool.table()[t, :n_held].tolist()

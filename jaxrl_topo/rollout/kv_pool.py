@@ -125,12 +125,19 @@ class PagePool:
                 shared_pages=int(np.count_nonzero(self._ref_P >= 2)), active_slots=len(self._slot_of),
                 preemptions=self._n_preempted, forks=self._n_forks)
 
-  def admit(self, seq_id: Hashable, n_tokens: int, shard: int = 0) -> int:
-    """Pages for a prompt of n_tokens in the shard's lowest free slot; the slot's length is n_tokens."""
+  def admit(self, seq_id: Hashable, n_tokens: int, shard: int = 0, slot: int | None = None) -> int:
+    """Pages for a prompt of n_tokens in the shard's lowest free slot (or in `slot`, which must be free;
+    its shard then is the slot's); the slot's length is n_tokens."""
     if not 1 <= n_tokens <= self.max_len:
       raise ValueError(f"admit seq {seq_id!r}: prompt of {n_tokens} tokens, allowed 1..{self.max_len} "
                        f"({self.max_pages_per_seq} pages x {self.page_size})")
-    slot = self._find_slot(seq_id, "admit", shard)
+    if slot is None:
+      slot = self._find_slot(seq_id, "admit", shard)
+    else:
+      self._check_new_seq(seq_id, "admit")
+      if not 0 <= slot < self.n_slots or self._seq_B[slot] is not None:
+        raise ValueError(f"admit seq {seq_id!r}: slot {slot} is out of range or busy")
+      shard = self.shard_of_slot(slot)
     pages = self._alloc(self._pages_for(n_tokens), f"admit seq {seq_id!r} ({n_tokens} tokens)", shard)
     self._table_BM[slot, :len(pages)] = pages
     self._occupy(slot, seq_id, n_tokens)
@@ -338,9 +345,12 @@ class PagePool:
       raise ValueError(f"{what}: slot {slot} holds no sequence (already free or never admitted)")
     return int(slot)
 
-  def _find_slot(self, seq_id: Hashable, what: str, shard: int) -> int:
+  def _check_new_seq(self, seq_id: Hashable, what: str) -> None:
     if seq_id is None or seq_id in self._slot_of:
       raise ValueError(f"{what}: seq id {seq_id!r} is None or already in slot {self._slot_of.get(seq_id)}")
+
+  def _find_slot(self, seq_id: Hashable, what: str, shard: int) -> int:
+    self._check_new_seq(seq_id, what)
     if not 0 <= shard < self.n_shards:
       raise ValueError(f"{what}: data shard {shard} out of range 0..{self.n_shards - 1}")
     rows = self._slots(shard)
