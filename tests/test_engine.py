@@ -40,9 +40,10 @@ def _prompts(n, seed=0, max_len=20, vocab=96):
 
 
 def _engine(graphdef, params, cfg=TINY, **kw):
-  # tail_chunk=5: chunks keep one length, so the tests that count chunks (weight updates) mean what they say.
-  defaults = dict(n_slots=4, page_size=4, n_pages=64, max_len=64, decode_chunk=5, tail_chunk=5, sampling=SAMPLED,
-                  eos_ids=EOS)
+  # tail_chunk=5, max_chunk=0: chunks keep one length, so the tests that count chunks (weight updates) mean
+  # what they say.
+  defaults = dict(n_slots=4, page_size=4, n_pages=64, max_len=64, decode_chunk=5, tail_chunk=5, max_chunk=0,
+                  sampling=SAMPLED, eos_ids=EOS)
   return RolloutEngine(graphdef, cfg, params, EngineConfig(**{**defaults, **kw}))
 
 
@@ -123,6 +124,26 @@ def test_a_chunk_ends_when_a_slot_frees_for_a_waiting_request(tiny):
   assert [s.tokens for s in got] == [s.tokens for s in want] and [len(s.tokens) for s in got] == [3, 40, 30]
   assert eng.stats["slot_steps_queued"] > 0
   assert eng.stats["busy_steps_queued"] == eng.stats["slot_steps_queued"], dict(eng.stats)
+
+
+def test_chunks_grow_to_max_chunk_when_nobody_needs_their_boundaries(tiny):
+  """One long request, nothing waiting: chunks double from tail_chunk (4) to max_chunk (32) while the row
+  has that many tokens left, so 56 tokens take 3 chunks, not 14, with the same tokens and log-probs.
+  With an on_chunk hook they keep tail_chunk (the hook sees every boundary). (The page guard, so a long
+  chunk never preempts: test_kv_pool's test_fits_says_whether_ensure_capacity_would_find_pages.)"""
+  graphdef, params = tiny
+  (a, b) = _prompts(2, seed=5, max_len=6)
+  one = [Request(a, max_new_tokens=56)]
+  short = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=4, eos_ids=())
+  want = short.run(one)
+  grown = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=4, max_chunk=32, eos_ids=())
+  got = grown.run(one)
+  assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 56
+  np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=1e-5)  # widths differ by schedule
+  assert short.stats["chunks"] >= 14 and grown.stats["chunks"] <= 4, (short.stats["chunks"], grown.stats["chunks"])
+  hooked = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=4, max_chunk=32, eos_ids=())
+  assert [s.tokens for s in hooked.run(one, on_chunk=lambda e: None)] == [s.tokens for s in want]
+  assert hooked.stats["chunks"] == short.stats["chunks"]
 
 
 def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):

@@ -45,6 +45,25 @@ def test_admit_and_ensure_capacity_by_hand():
   pool.check()
 
 
+def test_fits_says_whether_ensure_capacity_would_find_pages():
+  """5 free pages of 4 tokens: slot 0 (5 tokens, 2 pages) + 11 needs 2 more, slot 1 (4 tokens, 1 page) + 12
+  needs 3 (5 in all: fits), + 13 needs 4 (6: does not, and ensure_capacity then runs out). Per data shard:
+  a shard's free pages count only for its own slots. `fits` allocates nothing."""
+  pool = PagePool(n_pages=8, page_size=4, n_slots=3, max_pages_per_seq=6)
+  pool.admit("a", 5)
+  pool.admit("b", 4)
+  before = _snapshot(pool)
+  assert pool.fits({0: 3}) and pool.fits({0: 11, 1: 12}) and not pool.fits({0: 11, 1: 13})
+  _assert_same(before, _snapshot(pool))
+  trial = copy.deepcopy(pool)
+  trial.ensure_capacity(0, 11)
+  with pytest.raises(OutOfPages):
+    trial.ensure_capacity(1, 13)
+  sharded = PagePool(n_pages=8, page_size=4, n_slots=4, max_pages_per_seq=4, n_shards=2)
+  sharded.admit("a", 4, slot=0)  # shard 0: 3 free pages left; shard 1: 4
+  assert sharded.fits({0: 12}) and not sharded.fits({0: 13}) and sharded.fits({0: 12, 2: 0})
+
+
 def test_admit_into_a_given_slot_takes_that_slots_shard():
   """`slot=`: the sequence lands in that slot, with pages of the slot's own data shard; a busy slot, a slot
   out of range or a seq id already admitted are errors that change nothing."""

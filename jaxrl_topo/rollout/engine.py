@@ -62,13 +62,17 @@ class EngineConfig:
   kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
   overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
   tail_chunk: int = 0  # run(): steps per chunk (0 = 4 x decode_chunk); ends early for waiting requests
+  # run() with nobody watching chunk boundaries (no on_chunk, no episodes, no pending update): a chunk
+  # doubles from tail_chunk up to this many steps while the longest live row needs it and the pool has
+  # the pages (0 = never past tail_chunk); each length compiles once
+  max_chunk: int = 256
 
   def __post_init__(self):
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
-    if self.tail_chunk < 0:
-      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} must be >= 0")
+    if self.tail_chunk < 0 or self.max_chunk < 0:
+      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
 
   @property
   def max_pages_per_seq(self) -> int:

@@ -236,6 +236,14 @@ class PagePool:
   def pins(self) -> list[int]:
     return list(self._pins)
 
+  def fits(self, n_new_tokens: dict[int, int]) -> bool:
+    """Whether `ensure_capacity(slot, n)` for every {slot: n} would find its pages free (nothing
+    allocated here)."""
+    need = [0] * self.n_shards
+    for slot, n in n_new_tokens.items():
+      need[self.shard_of_slot(slot)] += max(0, self._pages_for(int(self._len_B[slot]) + n) - self._n_alloc(slot))
+    return all(k <= self.n_free_pages(d) for d, k in enumerate(need))
+
   def ensure_capacity(self, slot: int, n_new_tokens: int) -> list[int]:
     """Allocates pages so positions [len, len + n_new_tokens) are writable; returns new pages."""
     slot = self._check_active(slot, "ensure_capacity")

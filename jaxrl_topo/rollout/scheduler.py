@@ -172,7 +172,7 @@ class Stream:
       loop.fill(unread + eng.ecfg.decode_chunk)
       eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
     waiting = bool(loop.queue or loop.pinned)
-    n_steps = eng.ecfg.tail_steps
+    n_steps = self._chunk_steps(unread)
     dispatched = None
     if loop.live:
       loop.reserve(unread + n_steps)
@@ -188,6 +188,23 @@ class Stream:
         self.on_chunk(eng)
     else:
       self.inflight = dispatched
+
+  def _chunk_steps(self, unread: int) -> int:
+    """Steps of the next chunk: tail_chunk, doubled up to max_chunk while the longest live row has that
+    many tokens left and every live row's pages for it are free (no preemption), when nobody needs
+    chunk boundaries (no on_chunk hook, no episodes, no pending update). Waiting requests still end
+    a chunk as soon as slots free (exit_on_free). Fewer, longer chunks: fewer host round trips at
+    small batch; the lengths are powers of two times tail_chunk, so few programs compile."""
+    eng, loop = self.engine, self.loop
+    n = eng.ecfg.tail_steps
+    if self.on_chunk is not None or self.turns is not None or eng._pending is not None or not loop.live:
+      return n
+    left = {s: int(eng.host.left_B[s]) for s in loop.live}
+    longest = max(left.values())
+    while 2 * n <= eng.ecfg.max_chunk and n < longest and eng.pool.fits(
+        {s: min(unread + 2 * n, k) for s, k in left.items()}):
+      n *= 2
+    return n
 
   def close(self) -> None:
     """Ends the stream: the last dispatched chunk is read, then a pending update lands. Sequences still
