@@ -4,7 +4,8 @@
   python benchmarks/decode.py --workload=fixed     # fixed-length workload (issue 12), batches 8,32
   python benchmarks/decode.py --workload=pool      # one decode chunk's step time vs pool size and context
   python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
-      --prompt_len=128 --kv_budget_gb=40           # the H100 target (MBU >= 60% at batch 256)
+      --prompt_len=128 --kv_budget_gb=40 --impl=dense,paged:pallas,paged:bucketed
+                        # the H100 target (MBU >= 60% at batch 256), the Pallas kernel and the XLA read side by side
 
 Workload, per batch size B: `--n_seqs` (default 2B) prompts of `--prompt_len` random tokens, and for each a
 completion length drawn from a lognormal with median `--median_len` and log-sd `--sigma`, rounded, clipped to
@@ -61,6 +62,7 @@ from jaxrl_topo.models.model import cast_params, init_params
 from jaxrl_topo.models.presets import PRESETS, get_preset
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(greedy=True)
@@ -115,10 +117,11 @@ def seqs_fit(cfg, budget: float, prompt_len: int, median: int, sigma: float, pag
   return int(budget // (pages * page_size * per_tok)), dense
 
 
-def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY):
-  """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats)."""
+def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY, read: str = "auto"):
+  """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats).
+  `read`: the engine's paged decode read (EngineConfig.impl: auto, bucketed, fast, pallas, reference)."""
   cap = int(max(lengths)) if args.workload == "fixed" else 8 * args.median_len
-  ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap,
+  ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap, impl=read,
                       n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
                       max_chunk=args.max_chunk, sampling=sampling, eos_ids=(), overlap=not args.no_overlap)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
@@ -219,7 +222,9 @@ def main():
   parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="longtail: the model")
   parser.add_argument("--batches", default=None, help="comma-separated batch sizes (decode slots / dense rows); "
                       "default longtail 1,4,16 (GPU 1,4,16,64,256), fixed 8,32")
-  parser.add_argument("--impl", default="dense,paged", help="comma-separated: paged, dense")
+  parser.add_argument("--impl", default="dense,paged", help="comma-separated: dense, paged (its default read), "
+                      "paged:READ with READ one of " + ", ".join(IMPLS) + " (e.g. paged:pallas,paged:bucketed: the "
+                      "kernel path and the XLA path side by side)")
   parser.add_argument("--median_len", type=int, default=64, help="median completion length (cap = 8 x median)")
   parser.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal completion lengths")
   parser.add_argument("--prompt_len", type=int, default=32, help="prompt tokens per sequence")
@@ -241,8 +246,9 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   impls = args.impl.split(",")
-  if not set(impls) <= {"paged", "dense"}:
-    parser.error(f"--impl={args.impl}: expected paged and/or dense")
+  known = {"dense", "paged", *(f"paged:{r}" for r in IMPLS)}
+  if not set(impls) <= known:
+    parser.error(f"--impl={args.impl}: expected a comma-separated subset of {sorted(known)}")
   fixed = args.workload in ("fixed", "pool")
   args.repeats = args.repeats or (20 if args.workload == "fixed" else 3)
   args.batches = args.batches or ("8,32" if fixed else "1,4,16,64,256" if on_gpu else "1,4,16")
@@ -278,26 +284,25 @@ def main():
     rng = np.random.default_rng(args.seed + 1_000_003 * batch)
     prompts = rng.integers(0, cfg.vocab_size, (n_seqs, args.prompt_len)).tolist()
     kv_useful = useful_kv_tokens(lengths, args.prompt_len) * per_tok
-    rows = {}
-    runners = {"paged": paged_runner, "dense": dense_runner}
-    timings = timed({impl: runners[impl](graphdef, cfg, params, prompts, lengths, args, batch, sampling)
-                     for impl in impls}, args.repeats)
+    work = (graphdef, cfg, params, prompts, lengths, args, batch, sampling)
+    timings = timed({impl: dense_runner(*work) if impl == "dense"
+                     else paged_runner(*work, read=impl.partition(":")[2] or "auto") for impl in impls}, args.repeats)
+    rows = {impl: timings[impl][2][0] / timings[impl][0] for impl in impls}  # tokens / median wall
     for impl in impls:
       wall, walls, (tokens, steps, stats) = timings[impl]
       assert tokens == int(lengths.sum()), f"{impl}: {tokens} tokens generated, {int(lengths.sum())} drawn"
       steps = max(steps, 1)
       bytes_per_step = w_bytes + kv_useful / steps
-      rows[impl] = tokens / wall
       print(json.dumps({
           "impl": impl, "batch": batch, "n_seqs": n_seqs, "max_len": int(lengths.max()),
           "mean_len": float(lengths.mean()), "tokens": tokens, "wall_s": wall, "wall_s_all": walls,
           "tokens_per_s": tokens / wall, "decode_steps": steps, "step_s": wall / steps,
           "bytes_per_step": bytes_per_step, "mbu": bytes_per_step / (wall / steps) / (bw * 1e9),
-          **({"vs_dense": rows[impl] / rows["dense"]} if impl == "paged" and "dense" in rows else {}),
+          **({"vs_dense": rows[impl] / rows["dense"]} if impl != "dense" and "dense" in rows else {}),
           **common,
           **({"decode_chunk": args.decode_chunk, "max_chunk": args.max_chunk, "overlap": not args.no_overlap,
               "prefills": stats.get("prefills", 0),
-              "preemptions": stats.get("preemptions", 0), **engine_rates(stats, tokens)} if impl == "paged" else {}),
+              "preemptions": stats.get("preemptions", 0), **engine_rates(stats, tokens)} if impl != "dense" else {}),
       }), flush=True)
 
 
