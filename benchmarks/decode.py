@@ -25,7 +25,9 @@ timed (median of `--repeats`, a fresh prefill before each); one line per (pool p
 The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
 calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
 chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
-while requests were waiting for a slot (what admission controls; the tail after the queue empties is the workload's).
+while requests were waiting for a slot (what admission controls; the tail after the queue empties is the workload's),
+and `occupancy_rows`, the same over the rows the steps computed (a step runs its shard's live rows packed into a
+power-of-two batch, so idle slots cost nothing there).
 Each configuration runs the whole workload once untimed (compiles every shape it needs), then `--repeats` times
 timed, the implementations taking turns within each repeat (so load from other processes hits both alike)
 (time.perf_counter around the run, results fetched to the host). One JSON line per (impl, batch):
@@ -180,6 +182,7 @@ def engine_rates(stats, tokens: int) -> dict:
           "uploads_per_1k": 1000 * stats.get("uploads", 0) / max(tokens, 1),
           "occupancy": stats.get("busy_steps", 0) / max(stats.get("slot_steps", 0), 1),
           "occupancy_queued": stats.get("busy_steps_queued", 0) / max(stats.get("slot_steps_queued", 0), 1),
+          "occupancy_rows": stats.get("busy_steps", 0) / max(stats.get("row_steps", 0), 1),
           "slot_steps_queued": stats.get("slot_steps_queued", 0),
           "prefill_calls": stats.get("prefill_calls", 0), "chunks": stats.get("chunks", 0)}
 

@@ -146,6 +146,25 @@ def test_chunks_grow_to_max_chunk_when_nobody_needs_their_boundaries(tiny):
   assert hooked.stats["chunks"] == short.stats["chunks"]
 
 
+def test_steps_compute_only_the_live_rows_packed(tiny):
+  """8 slots, one 40-token request beside seven 3-token ones: once the short ones end, the steps run on the
+  one live row packed into a batch of 1 (chunks end as the live rows halve), not on all 8 slots. Tokens
+  and log-probs equal each request run alone. With packing off, row_steps = slot_steps and this fails."""
+  graphdef, params = tiny
+  prompts = _prompts(8, seed=31, max_len=8)
+  requests = [Request(p, max_new_tokens=40 if i == 0 else 3) for i, p in enumerate(prompts)]
+  eng = _engine(graphdef, params, n_slots=8, n_pages=128, decode_chunk=4, tail_chunk=8, eos_ids=())
+  got = eng.run(requests)
+  alone = _engine(graphdef, params, n_slots=1, decode_chunk=4, tail_chunk=8, eos_ids=())
+  want = [alone.run([r], seq_base=i)[0] for i, r in enumerate(requests)]  # same sequence ids, same keys
+  assert [s.tokens for s in got] == [s.tokens for s in want]
+  np.testing.assert_allclose(np.concatenate([s.logprobs for s in got]), np.concatenate([s.logprobs for s in want]),
+                             atol=1e-5)
+  stats = eng.stats
+  assert stats["busy_steps"] == 40 - 1 + 7 * 2  # every decode step after each prefill's first token
+  assert stats["row_steps"] <= stats["slot_steps"] // 4, dict(stats)
+
+
 def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):
   """4 slots, two groups of 3: the second starts with the one free slot, its other two samples fork
   from its pinned prompt as slots free up (no second prefill of that prompt), and every token is

@@ -215,17 +215,20 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
   return constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "n_steps", "eos_ids", "pad_id", "layout"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "n_steps", "eos_ids", "pad_id", "layout",
+                                             "n_rows"), donate_argnames=("state",))
 def generate(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling: SamplingConfig, n_steps: int,
-             eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None):
+             eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None, n_rows: int = 0):
   """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
   With data shards each shard decodes its own slots and stops when they are done.
   live_floor_D (int32, one per data shard): the chunk also ends, early, at the first step at which the
   shard has fewer live rows than that (a slot freed while requests wait: the host admits into it at
-  once instead of after the chunk); 0 = never. Traced, so changing it compiles nothing."""
+  once instead of after the chunk); 0 = never. Traced, so changing it compiles nothing.
+  n_rows (static; 0 = all): each shard decodes only its first n_rows live rows, packed into an n_rows batch
+  (the host passes a bound on its live rows), so a step's cost follows the live rows, not the slots. A
+  live row left out (only if the bound was wrong) just does not advance in this chunk."""
   body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids,
-                           pad_id=pad_id, sharded=_sharded(layout))
+                           pad_id=pad_id, sharded=_sharded(layout), n_rows=n_rows)
   specs, KB = _state_specs(state), P(None, "data")
   state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R, _D), (specs, KB, KB, KB))(
       params, state, key, live_floor_D)
@@ -234,7 +237,31 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, *, samplin
 
 
 def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling, n_steps: int, eos_ids,
-                    pad_id: int, sharded: bool):
+                    pad_id: int, sharded: bool, n_rows: int):
+  B = state.last_B.shape[0]
+  if not 0 < n_rows < B:
+    return _decode_rows(graphdef, params, state, key, live_floor_D, sampling=sampling, n_steps=n_steps,
+                        eos_ids=eos_ids, pad_id=pad_id, sharded=sharded)
+  # Pack: the live rows first (stable), the first n_rows of them decode; their results go back to their slots.
+  rows_R = jnp.argsort(~state.active_B, stable=True)[:n_rows]
+  take = lambda x: x[rows_R]  # noqa: E731
+  packed = state.replace(cache=state.cache.replace(table_BM=take(state.cache.table_BM)), last_B=take(state.last_B),
+                         pos_B=take(state.pos_B), seq_B=take(state.seq_B), left_B=take(state.left_B),
+                         active_B=take(state.active_B), stop_BX=take(state.stop_BX))
+  packed, tokens_KR, logprobs_KR, emitted_KR = _decode_rows(
+      graphdef, params, packed, key, live_floor_D, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids, pad_id=pad_id,
+      sharded=sharded)
+  put = lambda x, v: x.at[rows_R].set(v)  # noqa: E731
+  state = state.replace(cache=state.cache.replace(k_LPSKH=packed.cache.k_LPSKH, v_LPSKH=packed.cache.v_LPSKH),
+                        last_B=put(state.last_B, packed.last_B), pos_B=put(state.pos_B, packed.pos_B),
+                        left_B=put(state.left_B, packed.left_B), active_B=put(state.active_B, packed.active_B))
+  cols = lambda x_KR, fill: jnp.full((n_steps, B), fill, x_KR.dtype).at[:, rows_R].set(x_KR)  # noqa: E731
+  return state, cols(tokens_KR, pad_id), cols(logprobs_KR, 0.0), cols(emitted_KR, False)
+
+
+def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling, n_steps: int, eos_ids,
+                 pad_id: int, sharded: bool):
+  """K decode steps of every row of `state` (its batch, packed or not)."""
   model = _merge(graphdef, params, sharded)
 
   def step(carry):

@@ -34,7 +34,7 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
-from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _SlotMirror, _Wave
+from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
@@ -276,11 +276,17 @@ class RolloutEngine:
     live_D = self.host.active_B.reshape(self.pool.n_shards, -1).sum(axis=1)
     free_batch = max(1, self.pool.slots_per_shard // 8)
     floor_D = (live_D - free_batch + 1 if exit_on_free else np.zeros_like(live_D)).astype(np.int32)
+    # Decode only the live rows, packed into a power-of-two batch per shard (a program per size used);
+    # the chunk ends once a shard's live rows fit half of it, so the next one runs on half the batch.
+    rows = min(self.pool.slots_per_shard, _pow2(int(live_D.max())))
+    if rows > 1:
+      floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
     out = generate(self._static, self.params, self.state, self.key, floor_D, sampling=self.sampling,
-                   n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout)
+                   n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout,
+                   n_rows=0 if rows == self.pool.slots_per_shard else rows)
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
-    return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id)
+    return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards)
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots
@@ -324,6 +330,7 @@ class RolloutEngine:
     self.stats["busy_steps"] += int(n_B.sum())  # slot-steps that emitted (a discarded row's too)
     run_steps = int(emitted_KB.any(axis=1).sum()) * e.n_slots  # the loop stops at the first step with no live row
     self.stats["slot_steps"] += run_steps
+    self.stats["row_steps"] += run_steps // e.n_slots * d.rows  # what the steps computed: live rows, packed
     if d.queued:  # admission's share: occupancy while requests were waiting for a slot
       self.stats["busy_steps_queued"] += int(n_B.sum())
       self.stats["slot_steps_queued"] += run_steps

@@ -60,6 +60,7 @@ class _Dispatched:
   epoch_B: np.ndarray | None = None
   gen_id: int = 0
   queued: bool = False  # requests were waiting for slots when it was dispatched
+  rows: int = 0  # rows each step of the chunk computed (live rows packed; all slots when not packed)
 
 
 def _pow2(n: int) -> int:
