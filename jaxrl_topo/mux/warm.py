@@ -19,6 +19,8 @@ import time
 import jax
 import numpy as np
 
+from jaxrl_topo.topology.transfer import merge_on_destination, replicated
+
 HOST_KIND = "pinned_host"
 
 
@@ -66,18 +68,20 @@ def unpark(parked: Parked):
 
 class HostSync:
   """A job's weight sync whose destination is its host-side rollout copy, written straight from the train
-  devices: the policy is cast to the rollout dtype on the trainer, then put into host memory in the rollout
-  layout (`pinned_host` shardings of the rollout devices where they offer it, else numpy), so no rollout
-  device holds or moves a byte of it; the job's next rollout phase loads it (`unpark`). The old host copy is
-  freed first. Its stats are the job's own plan's (same bytes and buckets as a solo run's full sync).
-  sync.mode='lora' keeps the plan's path (the merge runs on the rollout side), then parks the result."""
+  devices: one jitted program on the trainer turns the train state into the rollout weights (full: the policy
+  cast to the rollout dtype; lora: the frozen base cast to the rollout dtype, then the adapters merged in, the
+  same order of operations as the plan's merge on the rollout side, so the bits are the same), and the result
+  is put into host memory in the rollout layout (`pinned_host` shardings of the rollout devices where they
+  offer it, else numpy), so no rollout device holds or moves a byte of it; the job's next rollout phase loads
+  it (`unpark`). The old host copy is freed first. Its stats are the job's own plan's (the bytes and buckets a
+  solo run's sync of that mode reports). `direct=False` (tests) sends every sync through the plan instead."""
 
-  def __init__(self, inner):
+  def __init__(self, inner, direct: bool = True):
     if inner.mode == "delta":
       raise ValueError("mux: sync.mode='delta' compares against the rollout side's last copy, which a warm "
                        "switch parks in host memory; use sync.mode='full' or 'lora'")
     self.inner = inner
-    self.direct = inner.mode == "full"
+    self.direct = direct
 
   def __getattr__(self, name):
     return getattr(self.inner, name)
@@ -87,20 +91,17 @@ class HostSync:
       return self._via_plan(state, old)
     t = time.perf_counter()
     shardings, dtypes = old.shardings, jax.tree.map(lambda x: np.dtype(x.dtype), old.host)
-    for x in jax.tree.leaves(old.host):
-      if isinstance(x, jax.Array) and not x.is_deleted():
-        x.delete()
-    cast = jax.tree.map(lambda x, d: x.astype(d), self.inner.policy(state), dtypes)  # on the train devices
+    _free(old.host)
+    cast, inputs = self._on_trainer(state, shardings, dtypes)
+    if cast is None:
+      return self._via_plan(state, None)
     leaves = jax.tree.leaves(shardings)
     if leaves and all(HOST_KIND in {m.kind for d in s.device_set for m in d.addressable_memories()} for s in leaves):
       host = jax.device_put(cast, jax.tree.map(lambda s: s.with_memory_kind(HOST_KIND), shardings))
     else:
       host = jax.device_get(cast)
     jax.block_until_ready(host)
-    policy = set(map(id, jax.tree.leaves(self.inner.policy(state))))
-    for x in jax.tree.leaves(cast):
-      if id(x) not in policy:  # a cast copy (an astype to the same dtype is the trainer's own array)
-        x.delete()
+    _free([x for x in jax.tree.leaves(cast) if id(x) not in inputs])  # not a train array a no-op cast forwarded
     plan = self.inner.plan
     total = sum(b.nbytes for b in plan.buckets)
     stats = {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(total),
@@ -108,14 +109,65 @@ class HostSync:
              "sync/buckets": float(len(plan.buckets))}
     return Parked(host, shardings), stats
 
+  def _on_trainer(self, state, shardings, dtypes):
+    """(the rollout weights on train devices, ids of train arrays they may share), or (None, None) when the
+    lora merge cannot run in the rollout layout on the trainer (then the plan's path serves)."""
+    lora = self.inner.lora if self.inner.lora.enabled else None
+    leaves, treedef = jax.tree.flatten(dtypes)
+    if self.inner.mode != "lora":
+      args = (state.frozen, state.params["policy"]) if lora else (state.params["policy"],)
+      return _cast_fn(treedef, tuple(leaves), lora)(*args), set(map(id, jax.tree.leaves(args)))
+    # sync.mode='lora': the plan ships the cast base once and merges in the rollout dtype on the rollout mesh;
+    # the same merge program runs here on a train-device mesh of the rollout's shape, so the bits match.
+    train_devices = list(jax.tree.leaves(state.frozen)[0].sharding.mesh.devices.flat)
+    shadow = shadow_shardings(shardings, train_devices)
+    if shadow is None:
+      return None, None
+    base = jax.device_put(_cast_fn(treedef, tuple(leaves), None)(state.frozen), shadow)
+    mesh = jax.tree.leaves(shadow)[0].mesh
+    adapters = jax.device_put(state.params["policy"], replicated(state.params["policy"], mesh))
+    return merge_on_destination(base, adapters, lora), set()  # base, adapters: dropped here (may alias the state)
+
   def _via_plan(self, state, old):
-    if isinstance(old, Parked):
-      old = old.host
-    for x in jax.tree.leaves(old):
-      if isinstance(x, jax.Array) and not x.is_deleted():
-        x.delete()
+    _free(old.host if isinstance(old, Parked) else old)
     params, stats = self.inner(state, None)
     return park(params), stats
+
+
+def _free(tree) -> None:
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not x.is_deleted():
+      x.delete()
+
+
+@functools.lru_cache(maxsize=32)
+def _cast_fn(treedef, dtypes: tuple, lora):
+  """One jitted program on the trainer: the policy cast to the rollout `dtypes` (LoRA: merged in the base's dtype
+  first, as sync.mode='full' ships it)."""
+  from jaxrl_topo.train.lora import merge_lora
+
+  def cast(tree):
+    return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(jax.tree.leaves(tree), dtypes, strict=True)])
+
+  if lora is None:
+    return jax.jit(cast)
+  return jax.jit(lambda base, adapters: cast(merge_lora(base, adapters, lora)))
+
+
+def shadow_shardings(rollout_shardings, train_devices):
+  """The rollout layout on the first train devices: a mesh of the rollout mesh's shape and axis names, same
+  specs. A merge compiled there is the rollout side's merge program shard for shard (same per-shard shapes),
+  hence the same bits. None when the rollout layout is not one NamedSharding mesh or the trainer has fewer
+  devices than it."""
+  leaves, treedef = jax.tree.flatten(rollout_shardings)
+  meshes = {s.mesh for s in leaves if isinstance(s, jax.sharding.NamedSharding)}
+  if len(meshes) != 1 or len(leaves) != sum(isinstance(s, jax.sharding.NamedSharding) for s in leaves):
+    return None
+  (mesh,) = meshes
+  if len(train_devices) < mesh.devices.size:
+    return None
+  shadow = jax.sharding.Mesh(np.array(train_devices[:mesh.devices.size]).reshape(mesh.devices.shape), mesh.axis_names)
+  return jax.tree.unflatten(treedef, [jax.sharding.NamedSharding(shadow, s.spec) for s in leaves])
 
 
 @dataclasses.dataclass(frozen=True)
