@@ -12,6 +12,9 @@ through the loop's hooks, nothing else:
                phase starts by loading them onto the pool and ends by parking them again; a finished
                train step writes its weights straight into the job's host-side rollout copy (HostSync)
   spans        every phase is a span carrying the job id (group workdir: mux_spans.jsonl)
+  evaluation   a job's `run.eval_every` (run.py's cadence) is a rollout-pool phase of its own: the job
+               acquires the rollout pool in its turn, loads its host copy (the weights its last train
+               phase wrote), evaluates, parks, and keeps the turn for its next rollout (span phase "eval")
 
 Each job runs in a thread of its own (its controller); the pools serialise their phases. A job that
 raises is retired from both pools (the others go on) and reported with its id. Since every job
@@ -147,8 +150,9 @@ class Group:
 
   # ------------------------------------------------------------ phases
 
-  def _span(self, jid: str, pool: str, step: int, start: float, end: float, **extra) -> None:
-    entry = {"job": jid, "pool": pool, "phase": pool, "step": step, "start": start - self._t0,
+  def _span(self, jid: str, pool: str, step: int, start: float, end: float, phase: str | None = None,
+            **extra) -> None:
+    entry = {"job": jid, "pool": pool, "phase": phase or pool, "step": step, "start": start - self._t0,
              "end": end - self._t0, "devices": self.pools.get(pool, []), **extra}
     with self._lock:
       self.spans.append(entry)
@@ -194,7 +198,31 @@ class Group:
       if not job.compiled:
         job.compiled = compile_counts(exp)
 
+    every, steps = job.spec.cfg.run.eval_every, job.spec.cfg.run.steps
+
+    def should_eval(done: int) -> bool:
+      """The job's own cadence (as run.py's); an evaluation is a rollout-pool phase of the job in its turn,
+      on its weights `done` (the host copy its last train phase wrote), ended in on_step."""
+      if not (every and done % every == 0 and done < steps):
+        return False
+      self.rollout_pool.acquire(jid, phase="eval")
+      t = time.perf_counter()
+      exp.engine.params = warm.unpark(exp.engine.params)
+      held["eval"], held["eval_load"] = t, time.perf_counter() - t
+      return True
+
+    def end_eval(step: int) -> None:
+      t = time.perf_counter()
+      exp.engine.release_kv()
+      exp.engine.params = warm.park(exp.engine.params)
+      end = time.perf_counter()
+      self.rollout_pool.release(jid, keep_turn=True)  # the job's rollout of this turn follows
+      self._span(jid, "rollout", step, held.pop("eval"), end, phase="eval", load_s=held.pop("eval_load"),
+                 park_s=end - t)
+
     def on_step(step: int, m: dict) -> None:
+      if "eval" in held:
+        end_eval(step)
       job.metrics.append({k: v for k, v in m.items() if not k.startswith("_")} | {"step": step})
       extra.on_step(step, m)
 
@@ -203,7 +231,7 @@ class Group:
       extra.on_chunk(engine)
 
     return dataclasses.replace(extra, on_phase_start=on_phase_start, on_produced=on_produced, on_trained=on_trained,
-                               on_step=on_step, on_chunk=on_chunk, should_eval=lambda step: False)
+                               on_step=on_step, on_chunk=on_chunk, should_eval=should_eval)
 
   def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
     jid, cfg = job.spec.job_id, job.spec.cfg

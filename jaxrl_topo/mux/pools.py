@@ -7,6 +7,10 @@ same order the train pool runs job A's step while the rollout pool runs job B's 
 (its steps are done, or it failed) `retire`s: it leaves the cycle and the pool passes over it, so a
 failed job never stalls the others.
 
+An evaluation of a job (its `run.eval_every`) is a rollout-pool phase of that job in its own turn: it
+acquires the pool when the job's next rollout would, and releases with `keep_turn=True`, so the job's
+rollout follows in the same turn and the cycle's order is unchanged (history records it as "job:eval").
+
 `migrate(job)` (long-tail migration) lets the next job start while `job` still finishes its stragglers:
 the turn moves on, and `job`'s `release` then only drops its hold.
 """
@@ -31,13 +35,13 @@ class RoundRobin:
   def _current(self) -> str | None:
     return self.order[self.turn % len(self.order)] if self.order else None
 
-  def acquire(self, job: str) -> None:
+  def acquire(self, job: str, phase: str | None = None) -> None:
     with self._cv:
       if job not in self.order:
         raise RuntimeError(f"pool {self.name}: {job} is not in the group (retired?)")
       self._cv.wait_for(lambda: self._current() == job and job not in self.holders)
       self.holders.add(job)
-      self.history.append(job)
+      self.history.append(job if phase is None else f"{job}:{phase}")
 
   def _advance(self, job: str) -> None:
     if self._current() == job:
@@ -51,14 +55,15 @@ class RoundRobin:
         self._advance(job)
       self._cv.notify_all()
 
-  def release(self, job: str) -> None:
+  def release(self, job: str, keep_turn: bool = False) -> None:
+    """`keep_turn`: the turn stays with `job` (an evaluation before its rollout of the same turn)."""
     with self._cv:
       if job not in self.holders:
         raise RuntimeError(f"pool {self.name}: {job} releases a pool it does not hold")
       self.holders.discard(job)
       if job in self.moved:  # its turn passed on at the migration; it may be this job's turn again by now
         self.moved.discard(job)
-      else:
+      elif not keep_turn:
         self._advance(job)
       self._cv.notify_all()
 
