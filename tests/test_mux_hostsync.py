@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.mux import warm
-from jaxrl_topo.runtime import experiment
-from tests.test_mux import job_cfg
+from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig, on_policy
+from jaxrl_topo.runtime import experiment, loop
+from jaxrl_topo.runtime.metrics import comparable
+from tests.test_mux import _diff, _records, job_cfg
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,25 @@ def test_lora_direct_host_write_is_bit_identical_to_the_plan_and_skips_the_rollo
   base = [np.asarray(jax.device_get(x)).astype(np.float32) for x in jax.tree.leaves(exp.state.frozen)]
   assert any(not np.array_equal(g.astype(np.float32), b.astype(jax.numpy.bfloat16).astype(np.float32))
              for g, b in zip(got, base, strict=True))
+
+
+@pytest.mark.slow
+def test_a_lora_job_in_a_group_equals_its_solo_run_and_never_syncs_through_the_rollout_devices(tmp_path):
+  cfg = job_cfg("a", **{"lora.rank": 4, "lora.alpha": 8.0, "sync.mode": "lora", "run.eval_every": 0})
+  exp = experiment.build(on_policy(cfg), str(tmp_path / "solo"))
+  ms = []
+  try:
+    loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: ms.append(m)))
+  finally:
+    exp.close()
+  group = Group([JobSpec("a", cfg, str(tmp_path / "a")), JobSpec("b", job_cfg("b"), str(tmp_path / "b"))],
+                MuxConfig(migrate_at=0.5), str(tmp_path))
+  group.build()
+  calls = []
+  run = group.jobs["a"].exp.sync.inner.plan.run
+  group.jobs["a"].exp.sync.inner.plan.run = lambda *a, **k: (calls.append(1), run(*a, **k))[1]
+  out = group.run()
+  assert all(r["ok"] for r in out.values()), out
+  got, want = comparable(group.jobs["a"].metrics), _records(ms)
+  assert got == want, _diff(got, want)
+  assert calls == [], "a lora sync went through the rollout devices' plan"
