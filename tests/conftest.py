@@ -1,5 +1,6 @@
 """Test set-up: 8 fake CPU devices, strict numerics, before JAX picks a backend."""
 
+import gc
 import os
 import tempfile
 
@@ -50,3 +51,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(f"{name}:{shared[0]}"))
       continue
     item.add_marker(pytest.mark.xdist_group(name))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """Each XLA:CPU executable keeps its JIT-linked code in memory mappings (about a hundred each), and a
+  process may hold at most vm.max_map_count (65,530) of them: a worker that compiles a few thousand
+  programs aborts inside XLA. So each test file's compiled programs go when the file is done (the
+  persistent compilation cache above makes a later recompile a disk read)."""
+  yield
+  jax.clear_caches()
+  gc.collect()

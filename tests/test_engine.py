@@ -148,8 +148,9 @@ def test_chunks_grow_to_max_chunk_when_nobody_needs_their_boundaries(tiny):
 
 def test_steps_compute_only_the_live_rows_packed(tiny):
   """8 slots, one 40-token request beside seven 3-token ones: once the short ones end, the steps run on the
-  one live row packed into a batch of 1 (chunks end as the live rows halve), not on all 8 slots. Tokens
-  and log-probs equal each request run alone. With packing off, row_steps = slot_steps and this fails."""
+  one live row packed into a batch of 2, the fewest (chunks end as the live rows halve), not on all 8
+  slots. Tokens and log-probs equal each request run alone. With packing off, row_steps = slot_steps and
+  this fails."""
   graphdef, params = tiny
   prompts = _prompts(8, seed=31, max_len=8)
   requests = [Request(p, max_new_tokens=40 if i == 0 else 3) for i, p in enumerate(prompts)]
@@ -162,7 +163,7 @@ def test_steps_compute_only_the_live_rows_packed(tiny):
                              atol=1e-5)
   stats = eng.stats
   assert stats["busy_steps"] == 40 - 1 + 7 * 2  # every decode step after each prefill's first token
-  assert stats["row_steps"] <= stats["slot_steps"] // 4, dict(stats)
+  assert stats["row_steps"] <= stats["slot_steps"] // 3, dict(stats)  # 2 rows (the fewest) of 8 for most steps
 
 
 def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):

@@ -14,15 +14,14 @@ refills. When pages run out the youngest sequences are preempted, requeued and l
 from scratch; since every sample's keys come from (seed, sequence id, position), a recomputed
 sequence is identical to the one it replaces. Every emitted token carries the gen_id of the
 weights it was sampled under.
-Shapes are static per engine (slots, pages, chunk K) and bucketed per call (prompt length, prompts
-and samples per wave: powers of two), so steady state compiles nothing new.
+Shapes are static per engine (slots, pages) and bucketed per call (prompt length, prompts and samples
+per wave, chunk length, the live rows a chunk packs: powers of two), so steady state compiles nothing new.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -34,6 +33,7 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
+from jaxrl_topo.rollout.engine_config import EngineConfig
 from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
@@ -45,42 +45,6 @@ from jaxrl_topo.topology.hostcomm import to_host
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
 
 prefill, generate, patch = device.prefill, device.generate, device.patch  # the jitted functions (tests count traces)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-  n_slots: int = 8  # decode rows
-  page_size: int = 16
-  n_pages: int = 256  # pages per layer in the pool
-  max_len: int = 512  # prompt + completion tokens per sequence
-  decode_chunk: int = 8  # decode steps per generate() call (K); run() admits with pages for this many ahead
-  min_bucket: int = 16  # prompts are padded to a power of two >= this
-  impl: str = "auto"  # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed
-  sampling: SamplingConfig = SamplingConfig(greedy=True)
-  eos_ids: tuple[int, ...] = ()
-  pad_id: int = 0
-  kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
-  overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
-  tail_chunk: int = 0  # run(): steps per chunk (0 = 4 x decode_chunk); ends early for waiting requests
-  # run() with nobody watching chunk boundaries (no on_chunk, no episodes, no pending update): a chunk
-  # doubles from tail_chunk up to this many steps while the longest live row needs it and the pool has
-  # the pages (0 = never past tail_chunk); each length compiles once
-  max_chunk: int = 256
-
-  def __post_init__(self):
-    for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
-    if self.tail_chunk < 0 or self.max_chunk < 0:
-      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
-
-  @property
-  def max_pages_per_seq(self) -> int:
-    return -(-self.max_len // self.page_size)
-
-  @property
-  def tail_steps(self) -> int:
-    return self.tail_chunk or 4 * self.decode_chunk
 
 
 _MAX_STOP_IDS = MAX_STOP_IDS
@@ -278,8 +242,10 @@ class RolloutEngine:
     floor_D = (live_D - free_batch + 1 if exit_on_free else np.zeros_like(live_D)).astype(np.int32)
     # Decode only the live rows, packed into a power-of-two batch per shard (a program per size used);
     # the chunk ends once a shard's live rows fit half of it, so the next one runs on half the batch.
-    rows = min(self.pool.slots_per_shard, _pow2(int(live_D.max())))
-    if rows > 1:
+    # Never fewer than 2 rows: XLA:CPU computes a 1-row matmul on another path (last-bit differences),
+    # and a row's tokens and log-probs must not depend on how many rows share its step.
+    rows = min(self.pool.slots_per_shard, max(2, _pow2(int(live_D.max()))))
+    if rows > 2:
       floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
     out = generate(self._static, self.params, self.state, self.key, floor_D, sampling=self.sampling,
                    n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout,

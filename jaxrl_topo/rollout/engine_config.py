@@ -1,0 +1,43 @@
+"""EngineConfig: the rollout engine's static sizes and its chunking knobs (engine.py, scheduler.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl_topo.rollout.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  n_slots: int = 8  # decode rows
+  page_size: int = 16
+  n_pages: int = 256  # pages per layer in the pool
+  max_len: int = 512  # prompt + completion tokens per sequence
+  decode_chunk: int = 8  # decode steps per generate() call (K); run() admits with pages for this many ahead
+  min_bucket: int = 16  # prompts are padded to a power of two >= this
+  impl: str = "auto"  # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed
+  sampling: SamplingConfig = SamplingConfig(greedy=True)
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
+  overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
+  tail_chunk: int = 0  # run(): steps per chunk (0 = 4 x decode_chunk); ends early for waiting requests
+  # run() with nobody watching chunk boundaries (no on_chunk, no episodes, no pending update): a chunk
+  # doubles from tail_chunk up to this many steps while the longest live row needs it and the pool has
+  # the pages (0 = never past tail_chunk); each length compiles once
+  max_chunk: int = 256
+
+  def __post_init__(self):
+    for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+    if self.tail_chunk < 0 or self.max_chunk < 0:
+      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return -(-self.max_len // self.page_size)
+
+  @property
+  def tail_steps(self) -> int:
+    return self.tail_chunk or 4 * self.decode_chunk
