@@ -230,10 +230,12 @@ class RolloutEngine:
     self.stats["uploads"] += 1
     return tok_N, lp_N, rows
 
-  def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False) -> _Dispatched:
+  def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False, pack: bool = False) -> _Dispatched:
     """Flushes the host's changes and launches one chunk of K decode steps; nothing is read.
     `exit_on_free`: it ends once a data shard has max(1, 1/8 of its slots) fewer live rows than the host
-    counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out."""
+    counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out.
+    `pack` (run()'s loop): the steps compute only the live rows (below). JetStream's `generate` does
+    not pack: its chunks keep their fixed length."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
@@ -244,8 +246,8 @@ class RolloutEngine:
     # the chunk ends once a shard's live rows fit half of it, so the next one runs on half the batch.
     # Never fewer than 2 rows: XLA:CPU computes a 1-row matmul on another path (last-bit differences),
     # and a row's tokens and log-probs must not depend on how many rows share its step.
-    rows = min(self.pool.slots_per_shard, max(2, _pow2(int(live_D.max()))))
-    if rows > 2:
+    rows = min(self.pool.slots_per_shard, max(2, _pow2(int(live_D.max())))) if pack else self.pool.slots_per_shard
+    if pack and rows > 2:
       floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
     out = generate(self._static, self.params, self.state, self.key, floor_D, sampling=self.sampling,
                    n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout,
