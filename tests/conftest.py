@@ -55,10 +55,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():
-  """Each XLA:CPU executable keeps its JIT-linked code in memory mappings (about a hundred each), and a
-  process may hold at most vm.max_map_count (65,530) of them: a worker that compiles a few thousand
-  programs aborts inside XLA. So each test file's compiled programs go when the file is done (the
-  persistent compilation cache above makes a later recompile a disk read)."""
+  """XLA:CPU executables keep their JIT-linked code in memory mappings, and a process may hold at most
+  vm.max_map_count (65,530): one process running test_engine, test_engine_sharded and test_generate
+  reached 46,503, and `make test` workers aborted inside XLA. So each test file's compiled programs go
+  when the file is done (peak about 30,600, in test_engine); the persistent compilation cache above
+  makes a later recompile a disk read."""
   yield
   jax.clear_caches()
   gc.collect()
