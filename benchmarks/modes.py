@@ -10,10 +10,11 @@ stop string, no EOS (the engine's eos_ids are emptied), and the engine is given 
 max_new_tokens. Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async split
 them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readiness-based landing).
 
-Per mode: measured steps/hour from wall time after the first step (which compiles), tokens/s, the rollout
-tokens generated while train steps ran (perf/overlap_tokens), and the review simulator calibrated on the same
-run's spans (review/simulator.py calibrate, sigma and cap as drawn) predicting that mode's steps/hour; a
-timeline PNG of the measured spans per mode (review/plots.py).
+Per mode: measured steps/hour from wall time after the first --skip steps (default 1: the one that compiles;
+later steps still meet new batch shapes), tokens/s, the rollout tokens generated while train steps ran
+(perf/overlap_tokens), and the review simulator calibrated on the same run's spans (review/simulator.py
+calibrate, sigma and cap as drawn) predicting that mode's steps/hour; a timeline PNG of the measured spans
+per mode (review/plots.py).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _lengths(steps: int, median: int, cap: int, seed: int = 0) -> np.ndarray:
   return np.clip(np.round(median * np.exp(SIGMA * z)), 1, cap).astype(int)
 
 
-def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
+def run_mode(mode: str, steps: int, median: int, out: str, skip: int = 1) -> dict:
   cap = min(8 * median, 512 - 16)  # 8x the median, within tiny's 512 positions (16 prompt tokens)
   lengths = _lengths(steps + 2, median, cap)
   cfg = _config(mode, steps, cap)
@@ -84,10 +85,12 @@ def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
     rollout_side._requests = real_requests
     exp.close()
   wall = time.perf_counter() - t0
-  last = records[-1]
   tokens = [r["perf/tokens"] for r in records]
-  params = simulator.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[1:])),
-                               sigma=SIGMA, max_ratio=cap / median, eta=max(ETA[mode], 1), skip_steps=1,
+  steady = records[skip:]  # after the first `skip` steps (compilation): wall seconds between their metrics
+  seconds = sum(r["time/step_s"] for r in steady)
+  steps_per_hour, tokens_per_s = 3600.0 * len(steady) / seconds, sum(tokens[skip:]) / seconds
+  params = simulator.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[skip:])),
+                               sigma=SIGMA, max_ratio=cap / median, eta=max(ETA[mode], 1), skip_steps=skip,
                                rollout_devices=4 if mode != "colocated" else None)
   predicted = simulator.steps_per_hour(mode, params, n_steps=48)
   origin = min(s["start"] for s in spans)
@@ -96,9 +99,9 @@ def run_mode(mode: str, steps: int, median: int, out: str) -> dict:
                      start=s["start"] - origin, end=s["end"] - origin, gen_id=s["gen_id"])
       for s in spans if s["phase"] in plots._COLORS))
   png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{mode}.png"), max_steps=steps)
-  return {"mode": mode, "steps": steps, "wall_s": wall, "steps_per_hour": last["perf/run_steps_per_hour"],
-          "tokens_per_s": last["perf/run_tokens_per_s"], "predicted_steps_per_hour": predicted,
-          "predicted_over_measured": predicted / last["perf/run_steps_per_hour"],
+  return {"mode": mode, "steps": steps, "skip": skip, "wall_s": wall, "steps_per_hour": steps_per_hour,
+          "tokens_per_s": tokens_per_s, "predicted_steps_per_hour": predicted,
+          "predicted_over_measured": predicted / steps_per_hour,
           "tokens_per_step": float(np.mean(tokens)),
           "overlap_tokens": int(sum(r["perf/overlap_tokens"] for r in records)),
           "staleness_max": int(max(r["staleness/max"] for r in records)), "timeline": png,
@@ -111,10 +114,11 @@ def main() -> None:
   ap.add_argument("--median", type=int, default=64)
   ap.add_argument("--modes", default="colocated,disaggregated,async")
   ap.add_argument("--out", default="/tmp/modes_bench")
+  ap.add_argument("--skip", type=int, default=1, help="steady state: after the first SKIP steps (compilation)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   for mode in args.modes.split(","):
-    print(json.dumps(run_mode(mode, args.steps, args.median, args.out)), flush=True)
+    print(json.dumps(run_mode(mode, args.steps, args.median, args.out, args.skip)), flush=True)
 
 
 if __name__ == "__main__":

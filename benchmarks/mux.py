@@ -2,6 +2,7 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
       python benchmarks/mux.py --jobs=3 --steps=10 --out=/tmp/mux_bench   # JSON lines on stdout
+      python benchmarks/mux.py --jobs=2 --steps=6 --resize=off,on          # the group without / with mux.resize
 
 Per job: seconds per step after the first (compilation) step, alone and in the group, and the slowdown.
 Per pool: the busy fraction, alone (each job's own run) and in the group, over the steady state (after
@@ -32,12 +33,13 @@ JOBS = [("grpo_task", {}), ("dapo", {"data.source": "arithmetic", "data.task": {
                        "model.overrides": {"n_layers": 3}})]
 
 
-def job_cfg(i: int, steps: int, max_new_tokens: int = 24, decode_chunk: int = 2):
+def job_cfg(i: int, steps: int, max_new_tokens: int = 24, decode_chunk: int = 2, deterministic: bool = True,
+            impl: str = "auto"):
   name, own = JOBS[i]
   c = config_from_file(os.path.join(ROOT, "configs", f"{name}.py"), "tiny")
   common = {"run.steps": steps, "run.eval_every": 0, "reward.n_workers": 0, "run.sft_steps": 20,
             "run.sft_target_accuracy": 0.0, "data.batch_size": 8, "rl.group_size": 8, "rollout.n_slots": 64,
-            "run.deterministic": True, "reward.overlong_buffer": 3,
+            "run.deterministic": deterministic, "reward.overlong_buffer": 3, "rollout.impl": impl,
             # longer answers in short chunks: a rollout has a tail of several chunks (long-tail migration moves it)
             "rollout.max_new_tokens": max_new_tokens, "rollout.decode_chunk": decode_chunk}
   for dotted, value in {**common, **own}.items():
@@ -61,8 +63,8 @@ def _pool_spans(spans: list[dict], job: str) -> list[dict]:
           for s in spans if s["phase"] in pool]
 
 
-def solo(i: int, steps: int, workdir: str) -> dict:
-  exp = experiment.build(job_cfg(i, steps), workdir)
+def solo(i: int, steps: int, workdir: str, skip: int = 1, impl: str = "auto") -> dict:
+  exp = experiment.build(job_cfg(i, steps, impl=impl), workdir)
   done, spans = [], []
   hooks = loop.LoopHooks(on_step=lambda step, m: done.append(time.perf_counter()), on_span=spans.append)
   try:
@@ -70,7 +72,8 @@ def solo(i: int, steps: int, workdir: str) -> dict:
   finally:
     exp.close()
   pooled = _pool_spans(spans, str(i))
-  return {"s_per_step": per_step(done), "busy": report.busy_fractions(pooled, report.steady_start(pooled))}
+  return {"s_per_step": per_step(done[skip - 1:]),
+          "busy": report.busy_fractions(pooled, report.steady_start(pooled, skip))}
 
 
 def main() -> None:
@@ -79,22 +82,38 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--migrate_at", type=float, default=0.8)
   ap.add_argument("--out", default="/tmp/mux_bench")
+  ap.add_argument("--impl", default="auto", help="rollout.impl of every job (fast: a row-exact read, stragglers merge)")
+  ap.add_argument("--skip", type=int, default=1, help="steady state: after every job's first SKIP steps (compiles)")
+  ap.add_argument("--resize", default="off", help="comma-separated group runs: off (run.deterministic, every "
+                  "rollout on the whole mesh) and/or on (mux.resize: rollouts beside a tail on the free shards)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  alone = {str(i): solo(i, args.steps, os.path.join(args.out, f"solo_{i}")) for i in range(args.jobs)}
+  alone = {str(i): solo(i, args.steps, os.path.join(args.out, f"solo_{i}"), args.skip, args.impl)
+           for i in range(args.jobs)}
+  for resize in args.resize.split(","):
+    if resize not in ("off", "on"):
+      raise SystemExit(f"--resize: {resize!r} is neither 'off' nor 'on'")
+    run_group(args, alone, resize == "on")
+
+
+def run_group(args, alone: dict, resize: bool) -> None:
   done = {str(i): None for i in range(args.jobs)}
-  group = Group([JobSpec(str(i), job_cfg(i, args.steps), os.path.join(args.out, f"mux_{i}")) for i in range(args.jobs)],
-                MuxConfig(migrate_at=args.migrate_at), os.path.join(args.out, "group"))
+  tag = "resize_" if resize else ""
+  group = Group([JobSpec(str(i), job_cfg(i, args.steps, deterministic=not resize, impl=args.impl),
+                         os.path.join(args.out, f"mux_{tag}{i}")) for i in range(args.jobs)],
+                MuxConfig(migrate_at=args.migrate_at, resize=resize), os.path.join(args.out, f"{tag}group"))
   group.build()
   results = group.run()
   assert all(r["ok"] for r in results.values()), results
-  busy = report.busy_fractions(group.spans, report.steady_start(group.spans))
-  park = [s["load_s"] + s["park_s"] for s in group.spans if s["step"] > 0]
-  report.plot_timeline(group.spans, os.path.join(args.out, "mux_timeline.png"),
-                       title=f"{args.jobs} tiny jobs on 8 fake CPU devices (mux.migrate_at={args.migrate_at})")
+  steady = report.steady_start(group.spans, args.skip)  # every job's compile-heavy first steps are over
+  busy = report.busy_fractions(group.spans, steady)
+  park = [s["load_s"] + s["park_s"] for s in group.spans if s["step"] >= args.skip]
+  report.plot_timeline(group.spans, os.path.join(args.out, f"{tag}mux_timeline.png"),
+                       title=f"{args.jobs} tiny jobs on 8 fake CPU devices (mux.migrate_at={args.migrate_at}"
+                             f"{', resize' if resize else ''})")
   meta = {"device": jax.devices()[0].device_kind, "n_devices": jax.device_count(), "jax": jax.__version__,
-          "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "migrate_at": args.migrate_at}
-  steady = report.steady_start(group.spans)  # every job's first step (its compilation) is over
+          "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "migrate_at": args.migrate_at, "resize": resize,
+          "skip": args.skip, "impl": args.impl}
 
   def mux_per_step(jid: str) -> float:
     return per_step([s["end"] for s in sorted(group.spans, key=lambda s: s["end"])
@@ -110,7 +129,7 @@ def main() -> None:
                     "steps_per_s_alone_on_as_many_pool_pairs": solo_sph,
                     "throughput_per_pool_pair_vs_solo": group_sph / (solo_sph / args.jobs),
                     "warm_switch_s_mean": sum(park) / len(park)}))
-  print(json.dumps({**meta, **migration(group.spans)}))
+  print(json.dumps({**meta, **migration([s for s in group.spans if s["start"] >= steady])}))
 
 
 def migration(spans: list[dict]) -> dict:
@@ -125,6 +144,8 @@ def migration(spans: list[dict]) -> dict:
           "tail_slot_steps": sum(s["tail_steps"] * s["tail_slots"] for s in moved),
           "freed_kv_bytes_per_move": moved[0]["freed_kv_bytes"] if moved else 0,
           "freed_shard_s": sum(s["end"] - s["moved_at"] for s in moved),
+          "rollouts_on_free_shards": sum(bool(s.get("on_rest")) for s in rolls),
+          "on_free_shards_s": sum(s["end"] - s["start"] for s in rolls if s.get("on_rest")),
           "early_turn_s": sum(s["end"] - s["migrated_at"] for s in rolls if s.get("migrated_at") is not None)}
 
 

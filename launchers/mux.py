@@ -2,7 +2,7 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python launchers/mux.py \
       --job=configs/grpo_task.py:tiny --job=configs/dapo.py:tiny,run.seed=3 --workdir=/tmp/mux \
-      [--config.run.steps=20 ...] [--host_memory_gb=64] [--migrate_at=0.8]
+      [--config.run.steps=20 ...] [--host_memory_gb=64] [--migrate_at=0.8] [--noresize]
   python launchers/mux.py --plan=TRACE.jsonl          # print the placement of a trace; nothing runs
 
 Every job is an ordinary config file (`path:arg`), run in `<workdir>/<job id>` (job ids: `0-grpo_task`,
@@ -30,6 +30,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Group directory: one subfolder 
 _PLAN = flags.DEFINE_string("plan", None, "A trace (JSON lines of job profiles): print its placement and exit.")
 _HOST_GB = flags.DEFINE_float("host_memory_gb", 64.0, "mux.host_memory_gb: host memory for the group's parked state.")
 _MIGRATE_AT = flags.DEFINE_float("migrate_at", 0.8, "mux.migrate_at: pass the rollout turn on at this fraction done.")
+_RESIZE = flags.DEFINE_bool("resize", True, "mux.resize: a rollout that starts beside another job's tail runs on the "
+                            "shards the tail leaves free (ignored with run.deterministic).")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -54,7 +56,8 @@ def main(argv: Sequence[str]) -> None:
     jid, config = parse_job(spec, COMMON, i)
     configs[jid] = config
     specs.append(JobSpec(jid, from_config_dict(config), os.path.join(workdir, jid)))
-  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value), workdir,
+  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value,
+                                   resize=_RESIZE.value), workdir,
                 checkpoints=True)
   for s in specs:
     run.save_config(configs[s.job_id], s.workdir)

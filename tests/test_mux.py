@@ -39,7 +39,8 @@ def _task(name: str) -> dict:
 
 
 JOBS = {"a": ("grpo_task", {"run.eval_every": 2}),  # one held-out evaluation (after step 1), in its turn
-        "b": ("dapo", {**_task("arithmetic"), "run.seed": 3}),
+        # b reads pages row by row (rollout.impl=fast): its stragglers merge from both shards (mux/migrate.py)
+        "b": ("dapo", {**_task("arithmetic"), "run.seed": 3, "rollout.impl": "fast"}),
         "c": ("grpo_task", {**_task("countdown"), "run.seed": 5, "model.overrides": {"n_layers": 3}})}
 
 
@@ -123,6 +124,10 @@ def test_two_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(pair, solo):
   assert {s["job"] for s in moved} == {"a", "b"}
   assert all(s["tail_slots"] == 8 and s["tail_devices"] == [4, 5] and s["tail_steps"] > 0 and s["freed_kv_bytes"] > 0
              for s in moved), moved
+  # Job a (bucketed read) moves a shard's stragglers as they are; job b (row-exact read) merged both shards' into
+  # the tail's one in some phase, and its metrics still equal its solo run's (above).
+  assert all(s["moved_from_shards"] == 1 for s in moved if s["job"] == "a")
+  assert any(s["moved_from_shards"] == 2 for s in moved if s["job"] == "b"), moved
 
 
 def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(pair):
@@ -280,3 +285,26 @@ def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_unint
     assert again[jid]["ok"] and again[jid]["resumed_from"] == 2, again
     got = comparable(group.jobs[jid].metrics)
     assert [r["step"] for r in got] == [2] and got[0] == solo(jid)[2], f"job {jid}"
+
+
+def test_a_rollout_beside_another_jobs_tail_runs_on_the_shards_the_tail_left_free(tmp_path):
+  """mux.resize (not deterministic): a job whose rollout starts while the other job's stragglers decode on their
+  tail engine (data shard 0: devices 4-5) runs on data shard 1 alone (devices 6-7). With the row-exact `fast`
+  read the stragglers move at migrate_at and the turn passes after the move. Without mux.resize, or with
+  run.deterministic, every rollout spans devices 4-7 and this fails."""
+  own = {"run.deterministic": False, "run.eval_every": 0, "rollout.impl": "fast"}
+  group = Group([JobSpec(j, job_cfg(j, **own), str(tmp_path / j))
+                 for j in "ab"], MuxConfig(migrate_at=0.5), str(tmp_path))
+  out = group.run()
+  assert all(r["ok"] and r["steps"] == STEPS for r in out.values()), out
+  rollouts = [s for s in group.spans if s["pool"] == "rollout"]
+  tails = [s for s in rollouts if s.get("moved_at") is not None]
+  rest = [s for s in rollouts if s.get("on_rest")]
+  assert rest, f"no rollout ran on the free shards: {rollouts}"
+  for s in rest:
+    assert s["devices"] == [6, 7], s
+    beside = [t for t in tails if t["job"] != s["job"] and t["moved_at"] <= s["start"] < t["end"]]
+    assert beside and all(t["tail_devices"] == [4, 5] for t in beside), (s, tails)
+  assert all(s["devices"] == [4, 5, 6, 7] for s in rollouts if not s.get("on_rest"))
+  for job in group.jobs.values():
+    assert all(np.isfinite(m["loss"]) and m["perf/tokens"] > 0 for m in job.metrics)

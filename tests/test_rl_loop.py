@@ -212,6 +212,10 @@ def test_config_typos_are_rejected_with_a_suggestion():
   raw["topology"]["mode"] = "colocted"
   with pytest.raises(ValueError, match="colocated"):
     from_config_dict(raw)
+  raw = c.to_dict()
+  raw["rollout"]["impl"] = "paged"
+  with pytest.raises(ValueError, match=r"rollout.impl='paged'; expected one of \('auto', 'reference', 'fast'"):
+    from_config_dict(raw)
 
 
 @pytest.mark.parametrize("name, arg", [("grpo_task", "tiny"), ("grpo_task", "small"), ("ppo_critic", "tiny"),

@@ -12,6 +12,9 @@ through the loop's hooks, nothing else:
                phase starts by loading them onto the pool and ends by parking them again; a finished
                train step writes its weights straight into the job's host-side rollout copy (HostSync)
   spans        every phase is a span carrying the job id (group workdir: mux_spans.jsonl)
+  free shards  with mux.resize (runs not run.deterministic), a rollout that starts while another job's
+               stragglers decode on their tail engine runs on the data shards the tails leave free
+               (mux/migrate.py)
   evaluation   a job's `run.eval_every` (run.py's cadence) is a rollout-pool phase of its own: the job
                acquires the rollout pool in its turn, loads its host copy (the weights its last train
                phase wrote), evaluates, parks, and keeps the turn for its next rollout (span phase "eval")
@@ -19,7 +22,8 @@ through the loop's hooks, nothing else:
 Each job runs in a thread of its own (its controller); the pools serialise their phases. A job that
 raises is retired from both pools (the others go on) and reported with its id. Since every job
 computes exactly what its solo on-policy run computes (same programs, same keys, same order of its
-own steps), its metrics equal that run's bit for bit, timing metrics aside (tests/test_mux.py).
+own steps), its metrics equal that run's bit for bit under run.deterministic, timing metrics aside
+(tests/test_mux.py); without it, rollouts on the free shards may differ from solo in the last bits.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ import traceback
 import jax
 from absl import logging
 
-from jaxrl_topo.mux import resume, warm
+from jaxrl_topo.mux import migrate, resume, warm
 from jaxrl_topo.mux.migrate import TailMigration
 from jaxrl_topo.mux.pools import RoundRobin
+from jaxrl_topo.rollout.engine import RolloutEngine
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime.config import RunConfig
@@ -50,6 +55,10 @@ MUX_SPANS = "mux_spans.jsonl"
 class MuxConfig:
   host_memory_gb: float = 64.0  # the group's host-resident state (every member, off its pools) must fit
   migrate_at: float = 0.8  # long-tail migration once this fraction of a rollout's sequences ended (1.0: off)
+  # a rollout that starts while another job's stragglers decode on their tail runs on the data shards the
+  # tails leave free (fewer slots); with run.deterministic a job always uses its whole rollout mesh, since on
+  # other slots its log-probs would differ from its solo run's in the last bits
+  resize: bool = True
 
   def __post_init__(self):
     if not self.host_memory_gb > 0:
@@ -81,6 +90,8 @@ class _Job:
   ckpt: object = None  # its Checkpointer (`<workdir>/checkpoints`), when the group checkpoints
   start: int = 0  # the step it resumes at (its newest checkpoint's), 0 for a fresh job
   tail: TailMigration | None = None  # its long-tail migration (and tail engine)
+  rest: RolloutEngine | None = None  # its engine on the shards no tail uses (mux.resize), compiled at build
+  full: RolloutEngine | None = None  # its own engine while a rollout phase runs on `rest`
 
 
 def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
@@ -135,12 +146,35 @@ class Group:
         raise ValueError(f"mux: job {job.spec.job_id} uses pools {pools}, the group {self.pools}: every job of a "
                          "group needs the same topology (set --config.topology.* for all jobs)")
     for job in built:
-      exp = job.exp
-      job.tail = TailMigration(exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
+      job.tail = TailMigration(job.exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
       job.tail.warm()  # its tail engine's programs compile now, not in its first migration
+    self._build_rest(built)
+    for job in built:
+      exp = job.exp
       exp.sync = warm.HostSync(exp.sync)
       exp.state = warm.park(exp.state)
       exp.engine.params = warm.park(exp.engine.params)
+
+  def _build_rest(self, built: list[_Job]) -> None:
+    """mux.resize: each job's engine on the data shards that no tail uses, compiled now (a request, a patch, a
+    page move into its own tail), so a rollout that starts beside another job's tail compiles nothing."""
+    if not self.mux.resize or not built:
+      return
+    eng = built[0].exp.engine
+    data = eng.pool.n_shards if eng.mesh is not None and "data" in eng.mesh.axis_names else 1
+    shards = migrate.rest_shards([j.tail for j in built], data)
+    for job in built if shards is not None else ():
+      if not job.spec.cfg.run.deterministic:
+        job.rest = migrate.sub_engine(job.exp.engine, shards)
+        migrate.compile_engine(job.rest, job.exp.engine)
+        if job.tail.tail is not None:
+          migrate.compile_move(job.rest, job.tail.tail)
+
+  def _on_rest(self, job: _Job) -> bool:
+    """Whether the job's rollout starting now takes the free shards: another job's stragglers decode on its
+    tail engine (on the first shards) at this moment."""
+    return job.rest is not None and any(o is not job and o.tail is not None and o.tail.running
+                                        for o in self.jobs.values())
 
   def _fail(self, jid: str, tb: str) -> None:
     self.jobs[jid].error = tb
@@ -166,7 +200,11 @@ class Group:
       pool = self.rollout_pool if phase == "rollout" else self.train_pool
       pool.acquire(jid)
       t = time.perf_counter()
-      if phase == "rollout":
+      if phase == "rollout" and self._on_rest(job):  # its weights copied there; the host copy stays
+        job.rest.params, job.rest.gen_id = warm.place(exp.engine.params, job.rest.mesh), exp.engine.gen_id
+        job.full, exp.engine = exp.engine, job.rest
+        tail.arm()
+      elif phase == "rollout":
         exp.engine.params = warm.unpark(exp.engine.params)
         tail.arm()
       else:
@@ -178,10 +216,21 @@ class Group:
     def on_produced(step: int) -> None:
       t = time.perf_counter()
       exp.engine.release_kv()
-      exp.engine.params = warm.park(exp.engine.params)
+      rest = job.full is not None
+      if rest:  # the rest engine's weights go (the host copy is the job's); its own engine is back
+        devices = _devices(exp.engine.mesh)
+        warm.free(exp.engine.params)
+        exp.engine.params = None
+      else:
+        exp.engine.params = warm.park(exp.engine.params)
       end = time.perf_counter()
       self.rollout_pool.release(jid)
       moved = tail.done()
+      if rest:
+        job.full.stats.update(exp.engine.stats)
+        exp.engine.stats.clear()
+        exp.engine, job.full = job.full, None
+        moved.update(devices=devices, on_rest=True)
       at = {k: moved.pop(k) for k in ("migrated_at", "moved_at")}
       self._span(jid, "rollout", step, held["rollout"], end, load_s=held["rollout_load"], park_s=end - t,
                  **{k: v - self._t0 if v else None for k, v in at.items()}, **moved)

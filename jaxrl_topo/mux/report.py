@@ -45,9 +45,9 @@ def busy_fractions(spans: Sequence[Mapping], t_from: float | None = None) -> dic
   return out
 
 
-def steady_start(spans: Sequence[Mapping]) -> float:
-  """When every job's first train phase (its compilation) has ended."""
-  return max(s["end"] for s in spans if s["pool"] == "train" and s["step"] == 0)
+def steady_start(spans: Sequence[Mapping], skip: int = 1) -> float:
+  """When every job's first `skip` train phases (compilation) have ended."""
+  return max(s["end"] for s in spans if s["pool"] == "train" and s["step"] == skip - 1)
 
 
 def seconds_per_step(spans: Sequence[Mapping], job: str, skip: int = 1) -> float:

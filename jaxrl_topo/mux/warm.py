@@ -66,6 +66,30 @@ def unpark(parked: Parked):
   return tree
 
 
+def place(parked: Parked, mesh: jax.sharding.Mesh):
+  """The host copy onto `mesh`, some of its devices (each leaf keeps its PartitionSpec). The host copy stays: it
+  is still the job's weights for its next phase on all its devices. A leaf whose shards on those devices are
+  the ones `mesh` needs (its spec does not split over the devices left out) goes from their own host memory;
+  any other through numpy."""
+  devices = set(mesh.devices.flat)
+
+  def one(x, s):
+    target = jax.sharding.NamedSharding(mesh, s.spec)
+    if isinstance(x, jax.Array):
+      have, want = x.sharding.devices_indices_map(x.shape), target.devices_indices_map(x.shape)
+      if all(have.get(d) == want[d] for d in devices):
+        shards = {sh.device: sh.data for sh in x.addressable_shards if sh.device in devices}
+        x = jax.make_array_from_single_device_arrays(
+            x.shape, target.with_memory_kind(x.sharding.memory_kind), [shards[d] for d in want])
+      else:
+        x = np.asarray(x)
+    return jax.device_put(x, target)
+
+  tree = jax.tree.map(one, parked.host, parked.shardings)
+  jax.block_until_ready(tree)
+  return tree
+
+
 class HostSync:
   """A job's weight sync whose destination is its host-side rollout copy, written straight from the train
   devices: one jitted program on the trainer turns the train state into the rollout weights (full: the policy
@@ -91,7 +115,7 @@ class HostSync:
       return self._via_plan(state, old)
     t = time.perf_counter()
     shardings, dtypes = old.shardings, jax.tree.map(lambda x: np.dtype(x.dtype), old.host)
-    _free(old.host)
+    free(old.host)
     cast, inputs = self._on_trainer(state, shardings, dtypes)
     if cast is None:
       return self._via_plan(state, None)
@@ -101,7 +125,7 @@ class HostSync:
     else:
       host = jax.device_get(cast)
     jax.block_until_ready(host)
-    _free([x for x in jax.tree.leaves(cast) if id(x) not in inputs])  # not a train array a no-op cast forwarded
+    free([x for x in jax.tree.leaves(cast) if id(x) not in inputs])  # not a train array a no-op cast forwarded
     plan = self.inner.plan
     total = sum(b.nbytes for b in plan.buckets)
     stats = {"time/sync_s": time.perf_counter() - t, "sync/bytes": float(total),
@@ -129,12 +153,12 @@ class HostSync:
     return merge_on_destination(base, adapters, lora), set()  # base, adapters: dropped here (may alias the state)
 
   def _via_plan(self, state, old):
-    _free(old.host if isinstance(old, Parked) else old)
+    free(old.host if isinstance(old, Parked) else old)
     params, stats = self.inner(state, None)
     return park(params), stats
 
 
-def _free(tree) -> None:
+def free(tree) -> None:
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and not x.is_deleted():
       x.delete()

@@ -366,6 +366,13 @@ class RolloutEngine:
       stream.add(requests, tag, seq_base=seq_base)  # tag: names the batch to `turns` (episodes.py)
       return stream.run_until(tag)
 
+  def _on_mesh(self, key: jax.Array) -> jax.Array:
+    """A key held by other devices (the whole rollout mesh's, for an engine on some of its shards) is copied
+    onto this engine's mesh, replicated."""
+    if self.mesh is None or not key.is_fully_addressable or key.sharding.device_set == set(self.mesh.devices.flat):
+      return key
+    return jax.device_put(key, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
              key: jax.Array | None = None, sampling: SamplingConfig | None = None, turns=None):
@@ -377,7 +384,7 @@ class RolloutEngine:
       raise RuntimeError("the engine is generating (an open stream has sequences); drain it first")
     saved = self.key, self.sampling
     if key is not None:
-      self.key = key
+      self.key = self._on_mesh(key)
     self.sampling = sampling or self.ecfg.sampling
     self._running = True
     stream = self._stream = Stream(self, on_chunk, on_group, turns)  # turns: episodes.py

@@ -27,6 +27,7 @@ from typing import Any
 
 from jaxrl_topo.data.pipeline import PromptDataConfig
 from jaxrl_topo.rollout.engine import UPDATE_POLICIES
+from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import build_dataclass, plain
 from jaxrl_topo.topology.carve import TopologyConfig
@@ -111,6 +112,9 @@ class RolloutSpec:
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
   kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
+  # the paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU where it works, else bucketed;
+  # fast | reference | pallas read each row on its own (its numbers never depend on the rows beside it)
+  impl: str = "auto"
   # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
   # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
   # batch, each drained before the next starts. (Colocated and DAPO dynamic sampling are always batch by batch.)
@@ -119,6 +123,8 @@ class RolloutSpec:
   def __post_init__(self):
     if self.kv_dtype is not None and self.kv_dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected float32, bfloat16, float16 or None")
+    if self.impl not in ("auto", *IMPLS):
+      raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
     if self.update_policy not in UPDATE_POLICIES:
       raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
