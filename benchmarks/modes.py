@@ -45,10 +45,10 @@ ETA = {"colocated": 0, "disaggregated": 1, "async": 2}
 PROMPTS, GROUP, SIGMA = 8, 4, 1.0
 
 
-def _config(mode: str, steps: int, max_new: int):
+def _config(mode: str, steps: int, max_new: int, eta: int):
   c = config_from_file(os.path.join(ROOT, "configs", "grpo_task.py"), "tiny")
   c.run.update(dict(steps=steps, eval_every=0, sft_steps=0, sft_target_accuracy=0.0, tensorboard=False, plot=False,
-                    max_staleness=ETA[mode], checkpoint_every=0))
+                    max_staleness=eta, checkpoint_every=0))
   c.data.batch_size, c.rl.group_size = PROMPTS, GROUP
   c.rollout.update(dict(max_new_tokens=max_new, stop=(), n_slots=PROMPTS * GROUP))
   c.reward.n_workers = 0
@@ -62,11 +62,14 @@ def _lengths(steps: int, median: int, cap: int, seed: int = 0) -> np.ndarray:
   return np.clip(np.round(median * np.exp(SIGMA * z)), 1, cap).astype(int)
 
 
-def run_mode(mode: str, steps: int, median: int, out: str, skip: int = 1) -> dict:
+def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1) -> dict:
+  """`run`: a mode, or `async:ETA` for another bound than ETA's."""
+  mode, _, eta = run.partition(":")
+  eta, name = int(eta) if eta else ETA[mode], run.replace(":", "_eta")
   cap = min(8 * median, 512 - 16)  # 8x the median, within tiny's 512 positions (16 prompt tokens)
   lengths = _lengths(steps + 2, median, cap)
-  cfg = _config(mode, steps, cap)
-  exp = experiment.build(cfg, os.path.join(out, mode))
+  cfg = _config(mode, steps, cap, eta)
+  exp = experiment.build(cfg, os.path.join(out, name))
   exp.engine.ecfg = dataclasses.replace(exp.engine.ecfg, eos_ids=())  # lengths are the drawn ones, never EOS
   drawn = iter(range(10**9))
   real_requests = rollout_side._requests
@@ -90,7 +93,7 @@ def run_mode(mode: str, steps: int, median: int, out: str, skip: int = 1) -> dic
   seconds = sum(r["time/step_s"] for r in steady)
   steps_per_hour, tokens_per_s = 3600.0 * len(steady) / seconds, sum(tokens[skip:]) / seconds
   params = simulator.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[skip:])),
-                               sigma=SIGMA, max_ratio=cap / median, eta=max(ETA[mode], 1), skip_steps=skip,
+                               sigma=SIGMA, max_ratio=cap / median, eta=max(eta, 1), skip_steps=skip,
                                rollout_devices=4 if mode != "colocated" else None)
   predicted = simulator.steps_per_hour(mode, params, n_steps=48)
   origin = min(s["start"] for s in spans)
@@ -98,8 +101,8 @@ def run_mode(mode: str, steps: int, median: int, out: str, skip: int = 1) -> dic
       simulator.Span(phase=s["phase"], role=s["role"] if mode != "colocated" else "colocated", step=s["step"],
                      start=s["start"] - origin, end=s["end"] - origin, gen_id=s["gen_id"])
       for s in spans if s["phase"] in plots._COLORS))
-  png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{mode}.png"), max_steps=steps)
-  return {"mode": mode, "steps": steps, "skip": skip, "wall_s": wall, "steps_per_hour": steps_per_hour,
+  png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{name}.png"), max_steps=steps)
+  return {"mode": run, "eta": eta, "steps": steps, "skip": skip, "wall_s": wall, "steps_per_hour": steps_per_hour,
           "tokens_per_s": tokens_per_s, "predicted_steps_per_hour": predicted,
           "predicted_over_measured": predicted / steps_per_hour,
           "tokens_per_step": float(np.mean(tokens)),
@@ -112,7 +115,8 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--median", type=int, default=64)
-  ap.add_argument("--modes", default="colocated,disaggregated,async")
+  ap.add_argument("--modes", default="colocated,disaggregated,async",
+                  help="comma-separated; async:ETA runs async with max_staleness ETA (default 2)")
   ap.add_argument("--out", default="/tmp/modes_bench")
   ap.add_argument("--skip", type=int, default=1, help="steady state: after the first SKIP steps (compilation)")
   args = ap.parse_args()
