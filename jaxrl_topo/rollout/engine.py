@@ -367,9 +367,11 @@ class RolloutEngine:
       return stream.run_until(tag)
 
   def _on_mesh(self, key: jax.Array) -> jax.Array:
-    """A key held by other devices (the whole rollout mesh's, for an engine on some of its shards) is copied
-    onto this engine's mesh, replicated."""
-    if self.mesh is None or not key.is_fully_addressable or key.sharding.device_set == set(self.mesh.devices.flat):
+    """A key held by devices outside this engine's mesh (the whole rollout mesh's, for an engine on some of its
+    shards) is copied onto the mesh, replicated. Multi-process meshes take the key as given."""
+    devices = set(self.mesh.devices.flat) if self.mesh is not None else set()
+    if (not devices or not key.is_fully_addressable or key.sharding.device_set <= devices
+        or any(d.process_index != jax.process_index() for d in devices)):
       return key
     return jax.device_put(key, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
