@@ -9,8 +9,8 @@ def _s(job, pool, step, start, end, **kw):
   return {"job": job, "pool": pool, "step": step, "start": start, "end": end, **kw}
 
 
-SPANS = [_s("a", "rollout", 0, 0, 2), _s("b", "rollout", 0, 1.5, 4, migrated_at=3.0), _s("a", "train", 0, 2, 5),
-         _s("b", "train", 0, 5, 6), _s("a", "train", 1, 7, 8)]
+SPANS = [_s("a", "rollout", 0, 0, 2), _s("b", "rollout", 0, 1.5, 4, migrated_at=3.0, on_rest=True),
+         _s("a", "train", 0, 2, 5), _s("b", "train", 0, 5, 6), _s("a", "train", 1, 7, 8)]
 
 
 def test_busy_fractions_count_overlapping_phases_once():
@@ -46,8 +46,10 @@ def test_review_of_a_group_workdir_shows_each_jobs_phases(tmp_path):
   with open(tmp_path / "mux_spans.jsonl", "w") as f:
     f.writelines(json.dumps({**s, "phase": s["pool"], "devices": [0]}) + "\n" for s in SPANS)
   fig = group.summary(group.read_group_spans(str(tmp_path)))
-  assert fig["jobs"]["a"]["train"] == {"phases": 2, "busy_s": 4.0, "mean_s": 2.0, "migrated": 0, "moved": 0}
+  assert fig["jobs"]["a"]["train"] == {"phases": 2, "busy_s": 4.0, "mean_s": 2.0, "migrated": 0, "moved": 0,
+                                             "on_free_shards": 0}
   assert fig["jobs"]["b"]["rollout"]["migrated"] == 1 and fig["jobs"]["b"]["rollout"]["busy_s"] == 2.5
+  assert fig["jobs"]["b"]["rollout"]["on_free_shards"] == 1
   assert [(s["role"], s["step"], s["start"]) for s in group.job_spans(SPANS, "a")] == \
       [("rollout", 0, 0), ("train", 0, 2), ("train", 1, 7)]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +57,7 @@ def test_review_of_a_group_workdir_shows_each_jobs_phases(tmp_path):
                         f"--out={tmp_path / 'rev'}"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "| a | train | 2 | 4.000 | 2.000 | 0 | 0 |" in out.stdout
+  assert "| a | train | 2 | 4.000 | 2.000 | 0 | 0 | 0 |" in out.stdout
   assert (tmp_path / "rev" / "group_timeline.png").stat().st_size > 0
   with pytest.raises(FileNotFoundError, match="not a co-execution group"):
     group.read_group_spans(str(tmp_path / "rev"))

@@ -37,14 +37,17 @@ def job_spans(spans: Sequence[Mapping], job: str) -> list[dict]:
 
 
 def per_job(spans: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
-  """{job: {pool: {phases, busy_s, mean_s, migrated, moved}}}, jobs in order of their first phase."""
+  """{job: {pool: {phases, busy_s, mean_s, migrated, moved, on_free_shards}}}, jobs in order of their first phase
+  (on_free_shards: rollouts run beside another job's tail, on the shards it left free: mux.resize)."""
   out: dict[str, dict[str, dict]] = {}
   for s in sorted(spans, key=lambda s: s["start"]):
-    row = out.setdefault(s["job"], {}).setdefault(s["pool"], {"phases": 0, "busy_s": 0.0, "migrated": 0, "moved": 0})
+    row = out.setdefault(s["job"], {}).setdefault(s["pool"], {"phases": 0, "busy_s": 0.0, "migrated": 0, "moved": 0,
+                                                                 "on_free_shards": 0})
     row["phases"] += 1
     row["busy_s"] += s["end"] - s["start"]
     row["migrated"] += s.get("migrated_at") is not None
     row["moved"] += s.get("moved_at") is not None
+    row["on_free_shards"] += bool(s.get("on_rest"))
   for pools in out.values():
     for row in pools.values():
       row["mean_s"] = row["busy_s"] / row["phases"]
@@ -58,12 +61,13 @@ def summary(spans: Sequence[Mapping]) -> dict:
 
 
 def to_markdown(fig: Mapping) -> str:
-  lines = ["# Co-execution group", "", "| job | pool | phases | busy s | mean phase s | migrated | moved |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["# Co-execution group", "",
+           "| job | pool | phases | busy s | mean phase s | migrated | moved | on free shards |",
+           "|---|---|---|---|---|---|---|---|"]
   for job, pools in fig["jobs"].items():
     for pool, r in pools.items():
       lines.append(f"| {job} | {pool} | {r['phases']} | {r['busy_s']:.3f} | {r['mean_s']:.3f} | {r['migrated']} | "
-                   f"{r['moved']} |")
+                   f"{r['moved']} | {r['on_free_shards']} |")
   lines += ["", "Busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in fig["busy_fraction"].items()), ""]
   return "\n".join(lines)
 
