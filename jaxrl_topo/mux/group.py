@@ -90,7 +90,7 @@ class _Job:
   ckpt: object = None  # its Checkpointer (`<workdir>/checkpoints`), when the group checkpoints
   start: int = 0  # the step it resumes at (its newest checkpoint's), 0 for a fresh job
   tail: TailMigration | None = None  # its long-tail migration (and tail engine)
-  rest: RolloutEngine | None = None  # its engine on the shards no tail uses (mux.resize), compiled at build
+  rest: RolloutEngine | None = None  # its engine on the shards no tail uses (mux.resize), built with the group
   full: RolloutEngine | None = None  # its own engine while a rollout phase runs on `rest`
 
 
@@ -156,8 +156,8 @@ class Group:
       exp.engine.params = warm.park(exp.engine.params)
 
   def _build_rest(self, built: list[_Job]) -> None:
-    """mux.resize: each job's engine on the data shards that no tail uses, compiled now (a request, a patch, a
-    page move into its own tail), so a rollout that starts beside another job's tail compiles nothing."""
+    """mux.resize: each job's engine on the data shards that no tail uses, warmed now (a request, a patch, a
+    page move into its own tail); like any engine it compiles each new batch shape when it first meets it."""
     if not self.mux.resize or not built:
       return
     eng = built[0].exp.engine

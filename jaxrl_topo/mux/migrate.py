@@ -30,7 +30,7 @@ the stragglers sit in the tail's shards, and the turn passes at once.
 
 The freed shards (mux.resize, not under run.deterministic): tails take the first data shards, so the shards
 after the widest tail (`rest_shards`) are free whenever a tail runs. Each job has a second engine there
-(`sub_engine`, compiled at build); a rollout that starts while another job's stragglers decode on their tail
+(`sub_engine`, built with the group); a rollout that starts while another job's stragglers decode on their tail
 runs on it, with fewer slots. Its prompts are then prefilled and decoded in other batches than in a solo run,
 so its log-probs may differ from solo in the last bits (and, rarely, a sampled token): equality with solo is
 what run.deterministic keeps, with every rollout on its job's whole mesh.
