@@ -144,6 +144,13 @@ def test_chunks_grow_to_max_chunk_when_nobody_needs_their_boundaries(tiny):
   hooked = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=4, max_chunk=32, eos_ids=())
   assert [s.tokens for s in hooked.run(one, on_chunk=lambda e: None)] == [s.tokens for s in want]
   assert hooked.stats["chunks"] == short.stats["chunks"]
+  # A hook that says it needs no boundaries (a progress bar; the colocated RL loop's) lets them grow.
+  seen = []
+  progress = lambda e: seen.append(e.stats["tokens"])  # noqa: E731
+  progress.needs_boundaries = False
+  relaxed = _engine(graphdef, params, n_slots=2, decode_chunk=4, tail_chunk=4, max_chunk=32, eos_ids=())
+  assert [s.tokens for s in relaxed.run(one, on_chunk=progress)] == [s.tokens for s in want]
+  assert relaxed.stats["chunks"] == grown.stats["chunks"] and len(seen) == relaxed.stats["chunks"]
 
 
 def test_steps_compute_only_the_live_rows_packed(tiny):

@@ -312,3 +312,16 @@ def test_slots_and_pages_must_split_over_the_rollout_data_axis():
     c.topology = TOPO["disaggregated"]
     with pytest.raises(ValueError, match=f"rollout.{key}={value} must be a multiple of the rollout mesh's data"):
       from_config_dict(c)
+
+
+def test_only_a_plain_colocated_loop_lets_the_engine_grow_decode_chunks():
+  """The engine grows chunks (EngineConfig.max_chunk, rollout.max_chunk) only for a hook that says it needs no
+  boundaries (tests/test_engine.py): a colocated loop's, unless a caller hooks in between chunks."""
+  from jaxrl_topo.runtime.loop import LoopHooks, needs_chunk_boundaries
+
+  assert not needs_chunk_boundaries("colocated", LoopHooks())
+  assert needs_chunk_boundaries("colocated", LoopHooks(on_chunk=lambda engine: None))  # e.g. a mux group's
+  assert needs_chunk_boundaries("disaggregated", LoopHooks()) and needs_chunk_boundaries("async", LoopHooks())
+  with pytest.raises(ValueError, match="rollout.max_chunk=-1 must be >= 0"):
+    _cfg("colocated", 1, **{"rollout.max_chunk": -1})
+  assert _cfg("colocated", 1, **{"rollout.max_chunk": 64}).rollout.max_chunk == 64

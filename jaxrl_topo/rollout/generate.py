@@ -111,8 +111,12 @@ def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_
                       pad_id=decode.pad_id)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
   bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
-  samples = engine.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts],
-                       on_chunk=lambda eng: bar.update(eng.stats["finished"] - bar.n))
+
+  def progress_bar(eng) -> None:
+    bar.update(eng.stats["finished"] - bar.n)
+
+  progress_bar.needs_boundaries = False  # any chunk's end will do: chunks may grow (EngineConfig.max_chunk)
+  samples = engine.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts], on_chunk=progress_bar)
   bar.close()
   return [Completion(s.tokens, s.logprobs, s.finish_reason) for s in samples]
 

@@ -192,12 +192,14 @@ class Stream:
   def _chunk_steps(self, unread: int) -> int:
     """Steps of the next chunk: tail_chunk, doubled up to max_chunk while the longest live row has that
     many tokens left and every live row's pages for it are free (no preemption), when nobody needs
-    chunk boundaries (no on_chunk hook, no episodes, no pending update). Waiting requests still end
+    chunk boundaries (no on_chunk hook, or one with `needs_boundaries = False`, e.g. a progress bar; no
+    episodes, no pending update). Waiting requests still end
     a chunk as soon as slots free (exit_on_free). Fewer, longer chunks: fewer host round trips at
     small batch; the lengths are powers of two times tail_chunk, so few programs compile."""
     eng, loop = self.engine, self.loop
     n = eng.ecfg.tail_steps
-    if self.on_chunk is not None or self.turns is not None or eng._pending is not None or not loop.live:
+    hooked = self.on_chunk is not None and getattr(self.on_chunk, "needs_boundaries", True)
+    if hooked or self.turns is not None or eng._pending is not None or not loop.live:
       return n
     left = {s: int(eng.host.left_B[s]) for s in loop.live}
     longest = max(left.values())

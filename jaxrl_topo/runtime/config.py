@@ -108,6 +108,9 @@ class RolloutSpec:
   page_size: int = 16
   n_pages: int = 0  # 0: enough for every slot at full length (no preemption)
   decode_chunk: int = 8
+  # with nobody watching chunk boundaries (colocated batches, launchers/generate.py) a chunk doubles up to
+  # this many decode steps while its longest row needs them (fewer host round trips); 0: chunks of 4 x decode_chunk
+  max_chunk: int = 256
   update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
@@ -127,6 +130,8 @@ class RolloutSpec:
       raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
     if self.update_policy not in UPDATE_POLICIES:
       raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
+    if self.max_chunk < 0:
+      raise ValueError(f"rollout.max_chunk={self.max_chunk} must be >= 0 (0: chunks never grow)")
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
       if getattr(self, name) <= 0:
         raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")

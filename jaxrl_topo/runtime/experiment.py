@@ -197,7 +197,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
   ecfg = EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
                       decode_chunk=rollout.decode_chunk, sampling=rollout.sampling, kv_dtype=rollout.kv_dtype,
-                      impl=rollout.impl,
+                      impl=rollout.impl, max_chunk=rollout.max_chunk,
                       eos_ids=tuple(tokenizer.eos_token_ids), pad_id=tokenizer.pad_token_id or 0)
   if cfg.rl.group_size > rollout.n_slots:
     raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={rollout.n_slots}: a group is "

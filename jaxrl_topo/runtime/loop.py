@@ -113,6 +113,10 @@ def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict
 # ---------------------------------------------------------------- the loop
 
 
+def _no_chunk_hook(engine: RolloutEngine) -> None:
+  """LoopHooks.on_chunk's default: with it a colocated rollout needs no chunk boundaries (chunks may grow)."""
+
+
 @dataclasses.dataclass
 class LoopHooks:
   """What the launcher plugs in: metrics sink, checkpointing, eval cadence."""
@@ -127,7 +131,14 @@ class LoopHooks:
   # ("rollout", k) before a batch-mode rollout of batch k, ("train", k) before step k goes to the trainer:
   # a co-execution group (jaxrl_topo/mux/) waits there for its turn on the pool and warm-loads the job's state.
   on_phase_start: Callable[[str, int], None] = lambda phase, step: None
-  on_chunk: Callable[[RolloutEngine], None] = lambda engine: None  # between decode chunks (mux: tail migration)
+  on_chunk: Callable[[RolloutEngine], None] = _no_chunk_hook  # between decode chunks (mux: tail migration)
+
+
+def needs_chunk_boundaries(mode: str, hooks: LoopHooks) -> bool:
+  """Whether the loop's between-chunk hook must run at every decode chunk's end (else the engine may grow
+  chunks, EngineConfig.max_chunk): yes wherever weights land or batches join between chunks (disaggregated,
+  async) or a caller hooks in (a mux group's tail migration); a colocated batch has no such use."""
+  return mode != "colocated" or hooks.on_chunk is not _no_chunk_hook
 
 
 def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int) -> dict:
@@ -243,6 +254,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       feed.top_up(min(steps, version + eta + 1))  # the new version may admit the next batch
     chunks.resume()  # the next chunk is dispatched after this
 
+  tick.needs_boundaries = needs_chunk_boundaries(mode, hooks)
   # Continuous (module docstring): batch k joins the open stream once k <= version + eta, so every token
   # of it is sampled at most eta versions before step k trains on it, whatever the stream holds then.
   continuous = mode != "colocated" and eta >= 1 and cfg.rollout.continuous and not cfg.reward.dynamic_sampling
