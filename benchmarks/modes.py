@@ -7,8 +7,9 @@ Workload: the `tiny` model (random init, no warm-up), 8 prompts x 4 samples per 
 length is drawn lognormal (median --median tokens, sigma 1) and capped at 8x the median (and at the model's
 position limit), the same lengths in every mode (one seeded draw per step). The rollout never stops early: no
 stop string, no EOS (the engine's eos_ids are emptied), and the engine is given each group's length as its
-max_new_tokens. Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async split
-them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readiness-based landing).
+max_new_tokens. Devices: colocated uses all 8 (trainer fsdp=8, rollout data=4 x tensor=2); disaggregated and async
+split them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readiness-based landing);
+`--rollout_tensor=T` sets the rollout mesh's tensor axis (data = devices / T) in every mode.
 
 Per mode: measured steps/hour from wall time after the first --skip steps (default 1: the one that compiles;
 later steps still meet new batch shapes), tokens/s, the rollout tokens generated while train steps ran
@@ -36,23 +37,25 @@ from jaxrl_topo.review import plots, simulator  # noqa: E402
 from jaxrl_topo.runtime import experiment, loop, rollout_side  # noqa: E402
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict  # noqa: E402
 
-TOPOLOGY = {
-    "colocated": dict(mode="colocated", trainer={"fsdp": 8}, rollout={"data": 4, "tensor": 2}),
-    "disaggregated": dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2}),
-    "async": dict(mode="async", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2}),
-}
+
+def topology(mode: str, tensor: int = 2) -> dict:
+  """Colocated: all 8 devices for both; disaggregated / async: 4 + 4. The rollout mesh is data x `tensor`."""
+  n = 8 if mode == "colocated" else 4
+  return dict(mode=mode, trainer={"fsdp": n}, rollout={"data": n // tensor, "tensor": tensor})
+
+
 ETA = {"colocated": 0, "disaggregated": 1, "async": 2}
 PROMPTS, GROUP, SIGMA = 8, 4, 1.0
 
 
-def _config(mode: str, steps: int, max_new: int, eta: int):
+def _config(mode: str, steps: int, max_new: int, eta: int, tensor: int = 2):
   c = config_from_file(os.path.join(ROOT, "configs", "grpo_task.py"), "tiny")
   c.run.update(dict(steps=steps, eval_every=0, sft_steps=0, sft_target_accuracy=0.0, tensorboard=False, plot=False,
                     max_staleness=eta, checkpoint_every=0))
   c.data.batch_size, c.rl.group_size = PROMPTS, GROUP
   c.rollout.update(dict(max_new_tokens=max_new, stop=(), n_slots=PROMPTS * GROUP))
   c.reward.n_workers = 0
-  c.topology = TOPOLOGY[mode]
+  c.topology = topology(mode, tensor)
   return from_config_dict(c)
 
 
@@ -62,13 +65,13 @@ def _lengths(steps: int, median: int, cap: int, seed: int = 0) -> np.ndarray:
   return np.clip(np.round(median * np.exp(SIGMA * z)), 1, cap).astype(int)
 
 
-def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1) -> dict:
+def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1, tensor: int = 2) -> dict:
   """`run`: a mode, or `async:ETA` for another bound than ETA's."""
   mode, _, eta = run.partition(":")
   eta, name = int(eta) if eta else ETA[mode], run.replace(":", "_eta")
   cap = min(8 * median, 512 - 16)  # 8x the median, within tiny's 512 positions (16 prompt tokens)
   lengths = _lengths(steps + 2, median, cap)
-  cfg = _config(mode, steps, cap, eta)
+  cfg = _config(mode, steps, cap, eta, tensor)
   exp = experiment.build(cfg, os.path.join(out, name))
   exp.engine.ecfg = dataclasses.replace(exp.engine.ecfg, eos_ids=())  # lengths are the drawn ones, never EOS
   drawn = iter(range(10**9))
@@ -102,7 +105,8 @@ def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1) -> dict
                      start=s["start"] - origin, end=s["end"] - origin, gen_id=s["gen_id"])
       for s in spans if s["phase"] in plots._COLORS))
   png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{name}.png"), max_steps=steps)
-  return {"mode": run, "eta": eta, "steps": steps, "skip": skip, "wall_s": wall, "steps_per_hour": steps_per_hour,
+  return {"mode": run, "eta": eta, "rollout_tensor": tensor, "steps": steps, "skip": skip, "wall_s": wall,
+          "steps_per_hour": steps_per_hour,
           "tokens_per_s": tokens_per_s, "predicted_steps_per_hour": predicted,
           "predicted_over_measured": predicted / steps_per_hour,
           "tokens_per_step": float(np.mean(tokens)),
@@ -118,11 +122,12 @@ def main() -> None:
   ap.add_argument("--modes", default="colocated,disaggregated,async",
                   help="comma-separated; async:ETA runs async with max_staleness ETA (default 2)")
   ap.add_argument("--out", default="/tmp/modes_bench")
+  ap.add_argument("--rollout_tensor", type=int, default=2, help="the rollout mesh's tensor axis (1, 2 or 4)")
   ap.add_argument("--skip", type=int, default=1, help="steady state: after the first SKIP steps (compilation)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   for mode in args.modes.split(","):
-    print(json.dumps(run_mode(mode, args.steps, args.median, args.out, args.skip)), flush=True)
+    print(json.dumps(run_mode(mode, args.steps, args.median, args.out, args.skip, args.rollout_tensor)), flush=True)
 
 
 if __name__ == "__main__":
