@@ -38,16 +38,14 @@ from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMir
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
+from jaxrl_topo.rollout.requests import MAX_STOP_IDS, Request, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.rollout.scheduler import MAX_STOP_IDS, Request, Sample, Stream
+from jaxrl_topo.rollout.scheduler import Stream
 from jaxrl_topo.topology.hostcomm import to_host
 
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
 
 prefill, generate, patch = device.prefill, device.generate, device.patch  # the jitted functions (tests count traces)
-
-
-_MAX_STOP_IDS = MAX_STOP_IDS
 
 
 UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")
@@ -103,7 +101,7 @@ class RolloutEngine:
                                  dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
       z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
       state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
-                          stop_BX=jnp.full((B, _MAX_STOP_IDS), -1, jnp.int32))
+                          stop_BX=jnp.full((B, MAX_STOP_IDS), -1, jnp.int32))
       return device.constrain(state, self.layout)
     return jax.jit(zeros) if self.layout is not None else zeros
 
@@ -209,7 +207,7 @@ class RolloutEngine:
     live = self.host.active_B
     stale = not np.array_equal(table[live], self._dev_table[live])  # rows of idle slots are never read
     if self._rows or self._copies or (stale and not self._waves):
-      self.state = patch(self.state, table, *uploads.patch_arrays(self.pool, self._rows, self._copies, _MAX_STOP_IDS),
+      self.state = patch(self.state, table, *uploads.patch_arrays(self.pool, self._rows, self._copies, MAX_STOP_IDS),
                          layout=self.layout)
       self._dev_table, self._rows, self._copies = table, {}, {}
       self.stats["uploads"] += 1
@@ -222,7 +220,7 @@ class RolloutEngine:
       self._dev_table, self._waves = table, []
 
   def _prefill(self, table, T: int, waves: list[_Wave]):
-    arrays, rows = uploads.prefill_arrays(self.pool, waves, T, self.ecfg.pad_id, _MAX_STOP_IDS, self._epoch_B,
+    arrays, rows = uploads.prefill_arrays(self.pool, waves, T, self.ecfg.pad_id, MAX_STOP_IDS, self._epoch_B,
                                           self.gen_id)
     self.state, tok_N, lp_N = prefill(self._static, self.params, self.state, self.key, table, *arrays,
                                       sampling=self.sampling, eos_ids=self.ecfg.eos_ids, layout=self.layout)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxrl_topo.rollout import host_state  # a module: host_state imports scheduler, which imports us
+from jaxrl_topo.rollout import host_state
 from jaxrl_topo.rollout.kv_pool import OutOfPages
 
 if TYPE_CHECKING:

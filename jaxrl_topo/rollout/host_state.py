@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxrl_topo.rollout.scheduler import MAX_STOP_IDS
+from jaxrl_topo.rollout.requests import MAX_STOP_IDS
 
 
 @dataclasses.dataclass
