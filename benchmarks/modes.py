@@ -13,7 +13,7 @@ split them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readin
 
 Per mode: measured steps/hour from wall time after the first --skip steps (default 1: the one that compiles;
 later steps still meet new batch shapes), tokens/s, the rollout tokens generated while train steps ran
-(perf/overlap_tokens), and the review simulator calibrated on the same run's spans (review/simulator.py
+(perf/overlap_tokens), and the review simulator calibrated on the same run's spans (review/calibrate.py
 calibrate, sigma and cap as drawn) predicting that mode's steps/hour; a timeline PNG of the measured spans
 per mode (review/plots.py).
 """
@@ -33,7 +33,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxrl_topo.review import plots, simulator  # noqa: E402
+from jaxrl_topo.review import calibrate, plots, simulator  # noqa: E402
 from jaxrl_topo.runtime import experiment, loop, rollout_side  # noqa: E402
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict  # noqa: E402
 
@@ -95,7 +95,7 @@ def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1, tensor:
   steady = records[skip:]  # after the first `skip` steps (compilation): wall seconds between their metrics
   seconds = sum(r["time/step_s"] for r in steady)
   steps_per_hour, tokens_per_s = 3600.0 * len(steady) / seconds, sum(tokens[skip:]) / seconds
-  params = simulator.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[skip:])),
+  params = calibrate.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[skip:])),
                                sigma=SIGMA, max_ratio=cap / median, eta=max(eta, 1), skip_steps=skip,
                                rollout_devices=4 if mode != "colocated" else None)
   predicted = simulator.steps_per_hour(mode, params, n_steps=48)

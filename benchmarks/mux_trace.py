@@ -9,7 +9,7 @@ admission's extra SLO checks at shorter rollouts: placement.Cluster.check_fracs)
 paper's numbers beside (RollMux: 1.84x over plain disaggregation, 1.38x over colocated, 100% SLO).
 
 Calibration: with --spans (a run's spans.jsonl, e.g. `launchers/train.py` in disaggregated mode) the base job's
-rates are `review/simulator.calibrate`d from it (compile step skipped; tokens per step from --metrics), so the
+rates are `review/calibrate.calibrate`d from it (compile step skipped; tokens per step from --metrics), so the
 trace is in that run's time units; without, mux/trace.py BASE. The warm-switch cost is the median load + park
 seconds of a group run's phases (--mux_spans, mux/report's input), else --switch_frac of the base job's
 iteration (the paper: ~2 s against iterations of minutes).
@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from jaxrl_topo.mux import placement as pl  # noqa: E402
 from jaxrl_topo.mux import trace as tr  # noqa: E402
-from jaxrl_topo.review import simulator  # noqa: E402
+from jaxrl_topo.review import calibrate, simulator  # noqa: E402
 
 PAPER = {"vs_disaggregated": 1.84, "vs_colocated": 1.38, "slo_attainment": 1.0, "jobs": 200,
          "placed": {"pack": 0.605, "scale": 0.15, "new": 0.245}}
@@ -44,7 +44,7 @@ def base_params(spans: str | None, metrics: str | None, batch_seqs: int) -> tupl
     with open(metrics) as f:
       rows = [json.loads(line) for line in f if line.strip()]
     tokens = float(np.median([r["perf/tokens"] for r in rows[1:] or rows]))
-  p = simulator.calibrate(simulator.load_spans(spans), batch_seqs=batch_seqs, tokens_per_step=tokens, skip_steps=1)
+  p = calibrate.calibrate(calibrate.load_spans(spans), batch_seqs=batch_seqs, tokens_per_step=tokens, skip_steps=1)
   return p, f"calibrated from {spans}"
 
 

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from jaxrl_topo.review import calibrate as C
 from jaxrl_topo.review import plots
 from jaxrl_topo.review import simulator as S
 
@@ -128,7 +129,7 @@ def test_calibrate_recovers_synthetic_spans():
                       end=t + r + 7.5))
     spans.append(dict(phase="eval", role="trainer", devices=[4], step=k, gen_id=k, start=t, end=t + 3))
     t += r + 7.5
-  p = S.calibrate(spans, batch_seqs=100, sync_bytes=1e9)
+  p = C.calibrate(spans, batch_seqs=100, sync_bytes=1e9)
   assert (p.n_devices, p.rollout_devices, p.trainer_devices, p.train_devices) == (8, 4, 4, 4)
   assert p.median_len == pytest.approx(1000.0)  # 1e5 tokens / 100 sequences, sigma=0
   assert p.train_s == pytest.approx(6.0)
@@ -146,7 +147,7 @@ def test_calibrate_round_trip_from_a_simulated_run():
   # the fit then returns the smallest consistent X); the tail (~1.7k tokens / 400 = 4 s) and throughput both matter.
   truth = _long_tail(sigma=0.5, reward_s=0.3, per_seq_tokens_per_s=400.0)
   tl = S.simulate("disaggregated", truth, 64)
-  p = S.calibrate(tl.to_span_dicts(), batch_seqs=64, median_len=500.0, sigma=0.5,
+  p = C.calibrate(tl.to_span_dicts(), batch_seqs=64, median_len=500.0, sigma=0.5,
                   per_seq_tokens_per_s=400.0, sync_bytes=1e9, link_gbps=8.0)
   assert p.tokens_per_s_per_device == pytest.approx(truth.tokens_per_s_per_device, rel=1e-3)
   assert (p.train_s, p.train_devices, p.reward_s) == pytest.approx((6.0, 4, 0.3))
@@ -156,18 +157,18 @@ def test_calibrate_round_trip_from_a_simulated_run():
 
 def test_calibrate_colocated_run_and_bad_spans():
   tl = S.simulate("colocated", _colocated_const(), 6)
-  p = S.calibrate(tl.to_span_dicts(), batch_seqs=100, median_len=1000.0)
+  p = C.calibrate(tl.to_span_dicts(), batch_seqs=100, median_len=1000.0)
   assert (p.n_devices, p.rollout_devices, p.train_devices) == (8, 4, 8)  # split defaults to half
   assert _step_s("colocated", p, 8, 2) == pytest.approx(17.0)  # sync became a pure 1 s latency
   good = tl.to_span_dicts()
   with pytest.raises(ValueError, match="lacks"):
-    S.calibrate([{k: v for k, v in good[0].items() if k != "end"}], batch_seqs=100, median_len=1.0)
+    C.calibrate([{k: v for k, v in good[0].items() if k != "end"}], batch_seqs=100, median_len=1.0)
   with pytest.raises(ValueError, match="rollout and train spans"):
-    S.calibrate([s for s in good if s["phase"] != "train"], batch_seqs=100, median_len=1.0)
+    C.calibrate([s for s in good if s["phase"] != "train"], batch_seqs=100, median_len=1.0)
   with pytest.raises(ValueError, match="tokens_per_step"):
-    S.calibrate(good, batch_seqs=100)
+    C.calibrate(good, batch_seqs=100)
   with pytest.raises(ValueError, match="tail alone"):
-    S.calibrate(good, batch_seqs=100, median_len=1000.0, per_seq_tokens_per_s=1.0)
+    C.calibrate(good, batch_seqs=100, median_len=1000.0, per_seq_tokens_per_s=1.0)
 
 
 def test_split_sweep_peaks_in_the_interior():

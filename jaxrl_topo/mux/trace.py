@@ -5,7 +5,7 @@ the review simulator (review/simulator.py): its rollout phase is `rollout_time` 
 (admission's worst case) and, for the replay, the mean over steps of batches of lognormal lengths
 clipped at max tokens (`sample_lengths`), on the job's rollout nodes; train and sync scale with the
 model size and the tokens. The base rates are a `SimParams` (by default `BASE`, else calibrated from a
-measured run's spans with `simulator.calibrate`), so the trace is in that run's time units.
+measured run's spans with `calibrate.calibrate`), so the trace is in that run's time units.
 
 `replay` runs the trace through time: jobs arrive, are placed (mux/placement.py Placer, worst-case
 profiles), run at their group's actual round-robin period (recomputed whenever a group changes), and
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from jaxrl_topo.mux import placement as pl
-from jaxrl_topo.review import simulator
+from jaxrl_topo.review import calibrate, simulator
 
 # Tiny-model rates, in the ballpark of a CPU run of configs/grpo_task.py:tiny; replace with calibrate().
 BASE = simulator.SimParams(n_devices=8, rollout_devices=4, batch_seqs=64, median_len=6.0, tokens_per_s_per_device=400.0,
@@ -158,9 +158,9 @@ def profile_from_spans(spans, *, job: str, batch_seqs: int, max_tokens: float, t
                        slo: float = 1.2, host_bytes: int = 0, rollout_nodes: int = 1, train_nodes: int = 1,
                        skip_steps: int = 1) -> pl.JobProfile:
   """A job's admission profile from a short calibration run's spans: the simulator is calibrated on them
-  (`simulator.calibrate`), then asked for a rollout with every response at `max_tokens` (the worst case),
+  (`calibrate.calibrate`), then asked for a rollout with every response at `max_tokens` (the worst case),
   and train time is scaled from the measured tokens to max-token batches (train time ~ tokens)."""
-  p = simulator.calibrate(spans, batch_seqs=batch_seqs, tokens_per_step=tokens_per_step, skip_steps=skip_steps)
+  p = calibrate.calibrate(spans, batch_seqs=batch_seqs, tokens_per_step=tokens_per_step, skip_steps=skip_steps)
   tps = p.tokens_per_s_per_device * p.rollout_devices
   worst = simulator.rollout_time(np.full(batch_seqs, float(max_tokens)), tps, p.per_seq_tokens_per_s)
   measured = simulator.rollout_time(simulator.sample_lengths(p, 1)[0], tps, p.per_seq_tokens_per_s)

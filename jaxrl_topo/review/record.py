@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from jaxrl_topo.review import audit, plots, simulator
+from jaxrl_topo.review import audit, calibrate, plots, simulator
 from jaxrl_topo.review import bytes as bytes_lib
 from jaxrl_topo.runtime.config import RunConfig
 
@@ -104,7 +104,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   sync_bytes = step.sync_full
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
-    params = simulator.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
+    params = calibrate.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
                                  eta=max(1, cfg.run.max_staleness), skip_steps=1 if len(metrics) > 2 else 0)
     source = f"calibrated from the spans of {workdir}"
   else:

@@ -1,0 +1,131 @@
+"""Fits the review simulator (simulator.py) to a measured run: `calibrate(spans, ...)` turns the spans a run
+wrote (`<workdir>/spans.jsonl`, read by `load_spans`) into `SimParams` whose simulated rollout, train, reward and
+sync times equal the measured medians."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_topo.review.simulator import SimParams, clipped_lognormal_mean_ratio, rollout_time, sample_lengths
+
+_SPAN_KEYS = ("phase", "role", "devices", "step", "start", "end")
+
+
+def load_spans(path: str) -> list[dict]:
+  """Reads a spans.jsonl (one JSON object per line; blank lines skipped)."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[float]:
+  """Per-step wall extent (max end - min start) of a phase, over all processes' spans of that step."""
+  ext: dict[int, tuple[float, float]] = {}
+  for s in spans:
+    if s["phase"] == phase and s["step"] >= skip_steps:
+      lo, hi = ext.get(s["step"], (math.inf, -math.inf))
+      ext[s["step"]] = (min(lo, s["start"]), max(hi, s["end"]))
+  return [hi - lo for _, (lo, hi) in sorted(ext.items())]
+
+
+def _validate_spans(spans: Sequence[Mapping]) -> None:
+  for i, s in enumerate(spans):
+    missing = [k for k in _SPAN_KEYS if k not in s]
+    if missing:
+      raise ValueError(f"span {i} lacks {missing}: {dict(s)}")
+    if s["end"] < s["start"]:
+      raise ValueError(f"span {i} ends before it starts: {dict(s)}")
+
+
+def _median_or_none(xs: Sequence[float]) -> float | None:
+  return float(np.median(xs)) if len(xs) else None
+
+
+def _devices(spans: Sequence[Mapping], phase: str) -> set[int]:
+  return {int(d) for s in spans if s["phase"] == phase for d in s["devices"]}
+
+
+def _fit_throughput(rollout_s: float, lengths: np.ndarray, devices: int, per_seq: float | None) -> tuple[float, float]:
+  """(tokens/s/device, per-seq tokens/s) whose median simulated batch time equals the measured rollout_s.
+
+  Without a per-sequence rate, the engine is assumed to saturate exactly at batch_seqs in flight
+  (p = X / B): then time scales as 1/X and the fit is closed-form. With one, X is found by bisection; where
+  the per-sequence cap binds throughout (slots * p <= X) X is not identifiable and the smallest consistent X
+  is returned.
+  """
+  B = lengths.shape[1]
+  if per_seq is None:
+    t1 = float(np.median([rollout_time(l, 1.0, 1.0 / B) for l in lengths]))
+    X = t1 / rollout_s
+    return X / devices, X / B
+  t_of = lambda X: float(np.median([rollout_time(l, X, per_seq) for l in lengths]))
+  if t_of(1e30) > rollout_s * (1 + 1e-9):
+    raise ValueError(f"per_seq_tokens_per_s={per_seq} cannot produce the measured rollout of {rollout_s:.4g}s: "
+                     f"the tail alone takes {t_of(1e30):.4g}s")
+  lo, hi = 1e-9, 1e30
+  for _ in range(100):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if t_of(mid) > rollout_s else (lo, mid)
+  return hi / devices, per_seq
+
+
+def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: float | None = None,
+              median_len: float | None = None, sigma: float = 0.0, max_ratio: float = 30.0,
+              per_seq_tokens_per_s: float | None = None, sync_bytes: float | None = None,
+              link_gbps: float | None = None, sync_latency_s: float = 0.0, switch_s: float = 0.0,
+              eta: int = 1, rollout_devices: int | None = None, skip_steps: int = 0, seed: int = 0) -> SimParams:
+  """SimParams from a measured run's spans (median per-step durations of rollout, reward, logprobs + train, sync).
+
+  Tokens per step: `tokens_per_step`, else the median per-step sum of a `tokens` field on rollout spans, else
+  batch_seqs * median_len * E[L]/m. The median length follows from the tokens (or is given). Throughput is
+  fitted so the simulated rollout reproduces the measured one at the measured rollout device count. Sync:
+  without sync_bytes the measured time becomes a pure latency; with sync_bytes and no link_gbps the link is
+  solved for; with both, the latency is what is left. A run whose rollout and train devices coincide was
+  colocated: its split (for the disjoint modes) defaults to half the devices.
+  """
+  _validate_spans(spans)
+  med = {ph: _median_or_none(_per_step(spans, ph, skip_steps))
+         for ph in ("rollout", "reward", "logprobs", "train", "sync")}
+  rollout_s, train_s = med["rollout"], med["train"]
+  if train_s is not None and med["logprobs"] is not None:  # the simulator's train phase includes the pre-pass
+    train_s += med["logprobs"]
+  if rollout_s is None or train_s is None:
+    raise ValueError(f"calibrate needs rollout and train spans at step >= {skip_steps}")
+  r_dev, t_dev = _devices(spans, "rollout"), _devices(spans, "train")
+  if not r_dev or not t_dev:
+    raise ValueError("rollout and train spans must list their devices")
+  n_devices = len(r_dev | t_dev | _devices(spans, "sync"))
+  split = rollout_devices or (max(1, n_devices // 2) if r_dev == t_dev else len(r_dev))
+  tok = [sum(float(s.get("tokens", 0)) for s in spans if s["phase"] == "rollout" and s["step"] == k)
+         for k in sorted({s["step"] for s in spans if s["phase"] == "rollout" and s["step"] >= skip_steps})]
+  tokens_per_step = tokens_per_step or (float(np.median(tok)) if tok and min(tok) > 0 else None)
+  mean_ratio = clipped_lognormal_mean_ratio(sigma, max_ratio)
+  if median_len is None:
+    if tokens_per_step is None:
+      raise ValueError("calibrate needs tokens_per_step (or spans with a `tokens` field) or median_len")
+    median_len = tokens_per_step / (batch_seqs * mean_ratio)
+  probe = SimParams(n_devices=n_devices, rollout_devices=split, batch_seqs=batch_seqs, median_len=median_len,
+                    tokens_per_s_per_device=1.0, per_seq_tokens_per_s=1.0, train_s=train_s,
+                    train_devices=len(t_dev), sigma=sigma, max_ratio=max_ratio, seed=seed)
+  tps, per_seq = _fit_throughput(rollout_s, sample_lengths(probe, 64), len(r_dev), per_seq_tokens_per_s)
+  sync = _fit_sync(med["sync"] or 0.0, sync_bytes, link_gbps, sync_latency_s)
+  return dataclasses.replace(probe, tokens_per_s_per_device=tps, per_seq_tokens_per_s=per_seq, **sync,
+                             switch_s=switch_s, reward_s=med["reward"] or 0.0, eta=eta)
+
+
+def _fit_sync(sync_s: float, sync_bytes: float | None, link_gbps: float | None, latency_s: float) -> dict:
+  if not sync_bytes:
+    return {"sync_bytes": 0.0, "link_gbps": link_gbps or 100.0, "sync_latency_s": sync_s}
+  if link_gbps is None:
+    if sync_s <= latency_s:
+      raise ValueError(f"measured sync {sync_s:.4g}s leaves no transfer time after sync_latency_s={latency_s}")
+    return {"sync_bytes": sync_bytes, "link_gbps": sync_bytes * 8 / ((sync_s - latency_s) * 1e9),
+            "sync_latency_s": latency_s}
+  latency = sync_s - sync_bytes * 8 / (link_gbps * 1e9)
+  if latency < -1e-9:
+    raise ValueError(f"{sync_bytes} bytes at {link_gbps} Gbit/s take longer than the measured sync {sync_s:.4g}s")
+  return {"sync_bytes": sync_bytes, "link_gbps": link_gbps, "sync_latency_s": max(latency, 0.0)}
