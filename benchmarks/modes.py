@@ -14,8 +14,10 @@ split them 4 + 4 (trainer fsdp=4, rollout data=2 x tensor=2; async eta=2, readin
 Per mode: measured steps/hour from wall time after the first --skip steps (default 1: the one that compiles;
 later steps still meet new batch shapes), tokens/s, the rollout tokens generated while train steps ran
 (perf/overlap_tokens), and the review simulator calibrated on the same run's spans (review/calibrate.py
-calibrate, sigma and cap as drawn) predicting that mode's steps/hour; a timeline PNG of the measured spans
-per mode (review/plots.py).
+calibrate, sigma and cap as drawn) predicting that mode's steps/hour. Disaggregated and async run one
+continuous rollout stream, which is the simulator's async mode at the run's eta (no drain between batches), so
+they are fitted as a stream (`stream=True`) and predicted as that ("simulated_as"). A timeline PNG of the
+measured spans per mode (review/plots.py); each mode's spans and metrics as JSONL beside it.
 """
 
 from __future__ import annotations
@@ -91,14 +93,20 @@ def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1, tensor:
     rollout_side._requests = real_requests
     exp.close()
   wall = time.perf_counter() - t0
+  for what, rows in (("spans", spans), ("metrics", records)):  # for calibrating again without running again
+    with open(os.path.join(out, f"{what}_{name}.jsonl"), "w") as f:
+      f.writelines(json.dumps(r, default=float) + "\n" for r in rows)
   tokens = [r["perf/tokens"] for r in records]
   steady = records[skip:]  # after the first `skip` steps (compilation): wall seconds between their metrics
   seconds = sum(r["time/step_s"] for r in steady)
   steps_per_hour, tokens_per_s = 3600.0 * len(steady) / seconds, sum(tokens[skip:]) / seconds
+  # A continuous stream (disaggregated, async) is the simulator's async mode at the run's eta: no drain between
+  # batches (the simulator's "disaggregated" is the drained one-step-off pipeline, rollout.continuous=False).
+  sim_mode = "async" if cfg.continuous_rollout else mode
   params = calibrate.calibrate(spans, batch_seqs=PROMPTS * GROUP, tokens_per_step=float(np.median(tokens[skip:])),
                                sigma=SIGMA, max_ratio=cap / median, eta=max(eta, 1), skip_steps=skip,
-                               rollout_devices=4 if mode != "colocated" else None)
-  predicted = simulator.steps_per_hour(mode, params, n_steps=48)
+                               rollout_devices=4 if mode != "colocated" else None, stream=cfg.continuous_rollout)
+  predicted = simulator.steps_per_hour(sim_mode, params, n_steps=48)
   origin = min(s["start"] for s in spans)
   timeline = simulator.Timeline(mode=mode, params=params, lengths=np.zeros((steps, 1)), spans=tuple(
       simulator.Span(phase=s["phase"], role=s["role"] if mode != "colocated" else "colocated", step=s["step"],
@@ -107,7 +115,7 @@ def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1, tensor:
   png = plots.plot_timelines({mode: timeline}, os.path.join(out, f"timeline_{name}.png"), max_steps=steps)
   return {"mode": run, "eta": eta, "rollout_tensor": tensor, "steps": steps, "skip": skip, "wall_s": wall,
           "steps_per_hour": steps_per_hour,
-          "tokens_per_s": tokens_per_s, "predicted_steps_per_hour": predicted,
+          "tokens_per_s": tokens_per_s, "predicted_steps_per_hour": predicted, "simulated_as": sim_mode,
           "predicted_over_measured": predicted / steps_per_hour,
           "tokens_per_step": float(np.mean(tokens)),
           "overlap_tokens": int(sum(r["perf/overlap_tokens"] for r in records)),

@@ -155,6 +155,33 @@ def test_calibrate_round_trip_from_a_simulated_run():
   assert _step_s("disaggregated", p) == pytest.approx(_step_s("disaggregated", truth), rel=1e-3)
 
 
+def test_tile_rollouts_by_hand():
+  # batch 1 joined at 1 while batch 0 ran to 3; batch 2 finished (at 4) before batch 1 (at 5): returned in order
+  spans = [dict(phase="rollout", step=k, start=a, end=b) for k, (a, b) in enumerate([(0, 3), (1, 5), (2, 4), (6, 7)])]
+  spans.append(dict(phase="train", step=0, start=3, end=4))
+  tiled = C.tile_rollouts(spans)
+  assert [(s["start"], s["end"]) for s in tiled if s["phase"] == "rollout"] == [(0, 3), (3, 5), (5, 5), (6, 7)]
+  assert [s for s in tiled if s["phase"] == "train"] == [spans[-1]]
+
+
+def test_calibrate_a_continuous_stream_round_trip():
+  # A stream's rollout spans are each batch's share of its busy time, the tail overlapping the next batch.
+  # Fitted as a stream (the simulator's async mode, spans tiled alike), the rate comes back; read as batches
+  # decoded alone, the same spans are shorter than the tail alone allows.
+  truth = _long_tail(sigma=0.5, reward_s=0.3, per_seq_tokens_per_s=400.0, train_s=1.0, eta=2)
+  spans = C.tile_rollouts(S.simulate("async", truth, 48).to_span_dicts())
+  kw = dict(batch_seqs=64, median_len=500.0, sigma=0.5, per_seq_tokens_per_s=400.0, sync_bytes=1e9, link_gbps=8.0,
+            eta=2, skip_steps=12)
+  p = C.calibrate(spans, stream=True, **kw)
+  assert p.tokens_per_s_per_device == pytest.approx(truth.tokens_per_s_per_device, rel=1e-6)
+  assert S.steps_per_hour("async", p) == pytest.approx(S.steps_per_hour("async", truth), rel=1e-6)
+  with pytest.raises(ValueError, match="tail alone"):
+    C.calibrate(spans, **kw)
+  with pytest.raises(ValueError, match="own devices"):
+    C.calibrate(S.simulate("colocated", _colocated_const(), 6).to_span_dicts(), batch_seqs=100, median_len=1000.0,
+                stream=True)
+
+
 def test_calibrate_colocated_run_and_bad_spans():
   tl = S.simulate("colocated", _colocated_const(), 6)
   p = C.calibrate(tl.to_span_dicts(), batch_seqs=100, median_len=1000.0)

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_topo.review.simulator import SimParams, clipped_lognormal_mean_ratio, rollout_time, sample_lengths
+from jaxrl_topo.review import simulator
+from jaxrl_topo.review.simulator import SimParams
 
 _SPAN_KEYS = ("phase", "role", "devices", "step", "start", "end")
 
@@ -59,10 +60,10 @@ def _fit_throughput(rollout_s: float, lengths: np.ndarray, devices: int, per_seq
   """
   B = lengths.shape[1]
   if per_seq is None:
-    t1 = float(np.median([rollout_time(l, 1.0, 1.0 / B) for l in lengths]))
+    t1 = float(np.median([simulator.rollout_time(l, 1.0, 1.0 / B) for l in lengths]))
     X = t1 / rollout_s
     return X / devices, X / B
-  t_of = lambda X: float(np.median([rollout_time(l, X, per_seq) for l in lengths]))
+  t_of = lambda X: float(np.median([simulator.rollout_time(l, X, per_seq) for l in lengths]))
   if t_of(1e30) > rollout_s * (1 + 1e-9):
     raise ValueError(f"per_seq_tokens_per_s={per_seq} cannot produce the measured rollout of {rollout_s:.4g}s: "
                      f"the tail alone takes {t_of(1e30):.4g}s")
@@ -73,11 +74,51 @@ def _fit_throughput(rollout_s: float, lengths: np.ndarray, devices: int, per_seq
   return hi / devices, per_seq
 
 
+def tile_rollouts(spans: Sequence[Mapping]) -> list[dict]:
+  """The spans with their rollout spans (one per step) as a continuous rollout stream records them
+  (runtime/rollout_side.Feed.take): batches are returned in order, so batch k's span ends no earlier than batch
+  k-1's, and it starts when the batch joined or when batch k-1's span ended, if later. Such spans tile the
+  stream's busy time: a tail that overlapped the next batch counts once."""
+  tiled, last = [], -math.inf
+  for s in sorted((s for s in spans if s["phase"] == "rollout"), key=lambda s: s["step"]):
+    end = max(s["end"], last)
+    tiled.append({**s, "start": max(s["start"], last), "end": end})
+    last = end
+  return [dict(s) for s in spans if s["phase"] != "rollout"] + tiled
+
+
+def _fit_stream(rollout_s: float, probe: SimParams, devices: int, per_seq: float | None,
+                n_steps: int = 48) -> tuple[float, float]:
+  """(tokens/s/device, per-seq tokens/s) at which the simulated stream (async at probe.eta on `devices` rollout
+  devices: no drain, batch k admitted once weights k - eta exist) tiles its busy time into batches whose
+  mean, after the first quarter of n_steps, is the measured mean rollout_s. The mean, not the median: the
+  stream's busy time falls as the rate rises, but a single tile need not (a faster stream waits for the
+  trainer more often, and a batch that joins late carries its tail alone). Bisection on a log scale."""
+  B = probe.batch_seqs
+
+  def t_of(X: float) -> float:
+    p = dataclasses.replace(probe, rollout_devices=devices, tokens_per_s_per_device=X / devices,
+                            per_seq_tokens_per_s=per_seq or X / B)
+    tiled = tile_rollouts(simulator.simulate("async", p, n_steps).to_span_dicts())
+    return float(np.mean(_per_step(tiled, "rollout", n_steps // 4)))
+
+  X0 = float(np.sum(simulator.sample_lengths(probe, 1))) / rollout_s  # about the busy rate
+  lo, hi = X0 * 1e-3, X0 * 1e3
+  if t_of(hi) > rollout_s:
+    raise ValueError(f"per_seq_tokens_per_s={per_seq} cannot produce the measured rollout of {rollout_s:.4g}s "
+                     f"per batch in a stream")
+  for _ in range(60):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if t_of(mid) > rollout_s else (lo, mid)
+  return hi / devices, per_seq or hi / B
+
+
 def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: float | None = None,
               median_len: float | None = None, sigma: float = 0.0, max_ratio: float = 30.0,
               per_seq_tokens_per_s: float | None = None, sync_bytes: float | None = None,
               link_gbps: float | None = None, sync_latency_s: float = 0.0, switch_s: float = 0.0,
-              eta: int = 1, rollout_devices: int | None = None, skip_steps: int = 0, seed: int = 0) -> SimParams:
+              eta: int = 1, rollout_devices: int | None = None, skip_steps: int = 0, seed: int = 0,
+              stream: bool = False) -> SimParams:
   """SimParams from a measured run's spans (median per-step durations of rollout, reward, logprobs + train, sync).
 
   Tokens per step: `tokens_per_step`, else the median per-step sum of a `tokens` field on rollout spans, else
@@ -86,6 +127,11 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   without sync_bytes the measured time becomes a pure latency; with sync_bytes and no link_gbps the link is
   solved for; with both, the latency is what is left. A run whose rollout and train devices coincide was
   colocated: its split (for the disjoint modes) defaults to half the devices.
+
+  `stream=True`: the spans come from a continuous rollout stream (`RunConfig.continuous_rollout`: the loop's
+  disaggregated and async modes). Their rollout spans tile the stream's busy time (`tile_rollouts`), with
+  each batch's tail overlapping the next batch, so a span is not a batch decoded alone. The rate is then
+  fitted so that the simulator's stream (its async mode at `eta`) tiles the same way to the measured mean.
   """
   _validate_spans(spans)
   med = {ph: _median_or_none(_per_step(spans, ph, skip_steps))
@@ -103,7 +149,7 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   tok = [sum(float(s.get("tokens", 0)) for s in spans if s["phase"] == "rollout" and s["step"] == k)
          for k in sorted({s["step"] for s in spans if s["phase"] == "rollout" and s["step"] >= skip_steps})]
   tokens_per_step = tokens_per_step or (float(np.median(tok)) if tok and min(tok) > 0 else None)
-  mean_ratio = clipped_lognormal_mean_ratio(sigma, max_ratio)
+  mean_ratio = simulator.clipped_lognormal_mean_ratio(sigma, max_ratio)
   if median_len is None:
     if tokens_per_step is None:
       raise ValueError("calibrate needs tokens_per_step (or spans with a `tokens` field) or median_len")
@@ -111,10 +157,17 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   probe = SimParams(n_devices=n_devices, rollout_devices=split, batch_seqs=batch_seqs, median_len=median_len,
                     tokens_per_s_per_device=1.0, per_seq_tokens_per_s=1.0, train_s=train_s,
                     train_devices=len(t_dev), sigma=sigma, max_ratio=max_ratio, seed=seed)
-  tps, per_seq = _fit_throughput(rollout_s, sample_lengths(probe, 64), len(r_dev), per_seq_tokens_per_s)
   sync = _fit_sync(med["sync"] or 0.0, sync_bytes, link_gbps, sync_latency_s)
-  return dataclasses.replace(probe, tokens_per_s_per_device=tps, per_seq_tokens_per_s=per_seq, **sync,
-                             switch_s=switch_s, reward_s=med["reward"] or 0.0, eta=eta)
+  probe = dataclasses.replace(probe, **sync, switch_s=switch_s, reward_s=med["reward"] or 0.0, eta=eta)
+  if stream:
+    rollout_s = float(np.mean(_per_step(spans, "rollout", skip_steps)))
+    if r_dev & t_dev:
+      raise ValueError("stream=True: a continuous rollout stream runs on its own devices, but these spans' "
+                       "rollout and train devices overlap (a colocated run)")
+    tps, per_seq = _fit_stream(rollout_s, probe, len(r_dev), per_seq_tokens_per_s)
+  else:
+    tps, per_seq = _fit_throughput(rollout_s, simulator.sample_lengths(probe, 64), len(r_dev), per_seq_tokens_per_s)
+  return dataclasses.replace(probe, tokens_per_s_per_device=tps, per_seq_tokens_per_s=per_seq)
 
 
 def _fit_sync(sync_s: float, sync_bytes: float | None, link_gbps: float | None, latency_s: float) -> dict:

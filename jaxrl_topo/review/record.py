@@ -105,7 +105,8 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
     params = calibrate.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
-                                 eta=max(1, cfg.run.max_staleness), skip_steps=1 if len(metrics) > 2 else 0)
+                                 eta=max(1, cfg.run.max_staleness), skip_steps=1 if len(metrics) > 2 else 0,
+                                 stream=cfg.continuous_rollout)
     source = f"calibrated from the spans of {workdir}"
   else:
     params = sim_params(cfg, assumptions, sync_bytes)

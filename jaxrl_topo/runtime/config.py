@@ -310,6 +310,13 @@ class RunConfig:
                        "need 'flash' or 'xla'")
 
   @property
+  def continuous_rollout(self) -> bool:
+    """Whether the loop runs one long-lived rollout stream (runtime/rollout_side.Feed) that batches join while
+    others decode, rather than one rollout per batch: disaggregated and async, unless switched off."""
+    return (self.topology.mode != "colocated" and self.run.max_staleness >= 1 and self.rollout.continuous
+            and not self.reward.dynamic_sampling)
+
+  @property
   def train_config(self) -> TrainConfig:
     return TrainConfig(loss=self.rl, optim=self.optim, lora=self.lora, seed=self.run.seed)
 

@@ -257,8 +257,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   tick.needs_boundaries = needs_chunk_boundaries(mode, hooks)
   # Continuous (module docstring): batch k joins the open stream once k <= version + eta, so every token
   # of it is sampled at most eta versions before step k trains on it, whatever the stream holds then.
-  continuous = mode != "colocated" and eta >= 1 and cfg.rollout.continuous and not cfg.reward.dynamic_sampling
-  feed = Feed(exp, produced, tick, hooks.on_span) if continuous else None
+  feed = Feed(exp, produced, tick, hooks.on_span) if cfg.continuous_rollout else None
   failed = True
   try:
     while version < steps:
