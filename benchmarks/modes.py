@@ -95,7 +95,7 @@ def run_mode(run: str, steps: int, median: int, out: str, skip: int = 1, tensor:
   wall = time.perf_counter() - t0
   for what, rows in (("spans", spans), ("metrics", records)):  # for calibrating again without running again
     with open(os.path.join(out, f"{what}_{name}.jsonl"), "w") as f:
-      f.writelines(json.dumps(r, default=float) + "\n" for r in rows)
+      f.writelines(json.dumps(r, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)) + "\n" for r in rows)
   tokens = [r["perf/tokens"] for r in records]
   steady = records[skip:]  # after the first `skip` steps (compilation): wall seconds between their metrics
   seconds = sum(r["time/step_s"] for r in steady)
