@@ -67,11 +67,17 @@ def _fit_throughput(rollout_s: float, lengths: np.ndarray, devices: int, per_seq
   if t_of(1e30) > rollout_s * (1 + 1e-9):
     raise ValueError(f"per_seq_tokens_per_s={per_seq} cannot produce the measured rollout of {rollout_s:.4g}s: "
                      f"the tail alone takes {t_of(1e30):.4g}s")
-  lo, hi = 1e-9, 1e30
-  for _ in range(100):
+  X = _smallest_rate(t_of, rollout_s, 1e-9, 1e30, steps=100)
+  return X / devices, per_seq
+
+
+def _smallest_rate(t_of, target_s: float, lo: float, hi: float, steps: int) -> float:
+  """Bisection on a log scale for the smallest rate X in [lo, hi] whose simulated time t_of(X) is <= target_s
+  (t_of falls as X rises)."""
+  for _ in range(steps):
     mid = math.sqrt(lo * hi)
-    lo, hi = (mid, hi) if t_of(mid) > rollout_s else (lo, mid)
-  return hi / devices, per_seq
+    lo, hi = (mid, hi) if t_of(mid) > target_s else (lo, mid)
+  return hi
 
 
 def tile_rollouts(spans: Sequence[Mapping]) -> list[dict]:
@@ -93,7 +99,7 @@ def _fit_stream(rollout_s: float, probe: SimParams, devices: int, per_seq: float
   devices: no drain, batch k admitted once weights k - eta exist) tiles its busy time into batches whose
   mean, after the first quarter of n_steps, is the measured mean rollout_s. The mean, not the median: the
   stream's busy time falls as the rate rises, but a single tile need not (a faster stream waits for the
-  trainer more often, and a batch that joins late carries its tail alone). Bisection on a log scale."""
+  trainer more often, and a batch that joins late carries its tail alone)."""
   B = probe.batch_seqs
 
   def t_of(X: float) -> float:
@@ -107,10 +113,8 @@ def _fit_stream(rollout_s: float, probe: SimParams, devices: int, per_seq: float
   if t_of(hi) > rollout_s:
     raise ValueError(f"per_seq_tokens_per_s={per_seq} cannot produce the measured rollout of {rollout_s:.4g}s "
                      f"per batch in a stream")
-  for _ in range(60):
-    mid = math.sqrt(lo * hi)
-    lo, hi = (mid, hi) if t_of(mid) > rollout_s else (lo, mid)
-  return hi / devices, per_seq or hi / B
+  X = _smallest_rate(t_of, rollout_s, lo, hi, steps=60)
+  return X / devices, per_seq or X / B
 
 
 def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: float | None = None,
@@ -160,10 +164,10 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   sync = _fit_sync(med["sync"] or 0.0, sync_bytes, link_gbps, sync_latency_s)
   probe = dataclasses.replace(probe, **sync, switch_s=switch_s, reward_s=med["reward"] or 0.0, eta=eta)
   if stream:
-    rollout_s = float(np.mean(_per_step(spans, "rollout", skip_steps)))
     if r_dev & t_dev:
       raise ValueError("stream=True: a continuous rollout stream runs on its own devices, but these spans' "
                        "rollout and train devices overlap (a colocated run)")
+    rollout_s = float(np.mean(_per_step(spans, "rollout", skip_steps)))
     tps, per_seq = _fit_stream(rollout_s, probe, len(r_dev), per_seq_tokens_per_s)
   else:
     tps, per_seq = _fit_throughput(rollout_s, simulator.sample_lengths(probe, 64), len(r_dev), per_seq_tokens_per_s)
