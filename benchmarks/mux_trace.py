@@ -9,8 +9,9 @@ admission's extra SLO checks at shorter rollouts: placement.Cluster.check_fracs)
 paper's numbers beside (RollMux: 1.84x over plain disaggregation, 1.38x over colocated, 100% SLO).
 
 Calibration: with --spans (a run's spans.jsonl, e.g. `launchers/train.py` in disaggregated mode) the base job's
-rates are `review/calibrate.calibrate`d from it (compile step skipped; tokens per step from --metrics), so the
-trace is in that run's time units; without, mux/trace.py BASE. The warm-switch cost is the median load + park
+rates are `review/calibrate.calibrate`d from it (compile step skipped; tokens per step from --metrics; fitted as
+a continuous stream when the run's config.json beside it says the loop ran one), so the trace is in that run's
+time units; without, mux/trace.py BASE. The warm-switch cost is the median load + park
 seconds of a group run's phases (--mux_spans, mux/report's input), else --switch_frac of the base job's
 iteration (the paper: ~2 s against iterations of minutes).
 """
@@ -31,6 +32,7 @@ sys.path.insert(0, ROOT)
 from jaxrl_topo.mux import placement as pl  # noqa: E402
 from jaxrl_topo.mux import trace as tr  # noqa: E402
 from jaxrl_topo.review import calibrate, simulator  # noqa: E402
+from jaxrl_topo.runtime import run  # noqa: E402
 
 PAPER = {"vs_disaggregated": 1.84, "vs_colocated": 1.38, "slo_attainment": 1.0, "jobs": 200,
          "placed": {"pack": 0.605, "scale": 0.15, "new": 0.245}}
@@ -44,8 +46,14 @@ def base_params(spans: str | None, metrics: str | None, batch_seqs: int) -> tupl
     with open(metrics) as f:
       rows = [json.loads(line) for line in f if line.strip()]
     tokens = float(np.median([r["perf/tokens"] for r in rows[1:] or rows]))
-  p = calibrate.calibrate(calibrate.load_spans(spans), batch_seqs=batch_seqs, tokens_per_step=tokens, skip_steps=1)
-  return p, f"calibrated from {spans}"
+  stream, eta = False, 1  # a run directory's config.json says whether its spans come from a continuous stream
+  run_dir = os.path.dirname(os.path.abspath(spans))
+  if os.path.isfile(os.path.join(run_dir, run.CONFIG_FILE)):
+    cfg = run.load_config(run_dir)
+    stream, eta = cfg.continuous_rollout, max(1, cfg.run.max_staleness)
+  p = calibrate.calibrate(calibrate.load_spans(spans), batch_seqs=batch_seqs, tokens_per_step=tokens, skip_steps=1,
+                          eta=eta, stream=stream)
+  return p, f"calibrated from {spans}" + (" (a continuous rollout stream)" if stream else "")
 
 
 def switch_s(mux_spans: str | None, base: simulator.SimParams, frac: float) -> tuple[float, str]:

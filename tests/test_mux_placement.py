@@ -190,3 +190,35 @@ def test_rollout_scaling_adds_just_enough_nodes():
   g = placer.groups[0]
   assert (d.kind, d.added_per_h, g.rollout_nodes, g.pins[-1]) == ("scale", 1.0, 3, (1, 2))
   np.testing.assert_allclose(pl.slowdowns(g, 0.0), [1.0, 2.0, 2.0])
+
+
+def test_mux_trace_calibrates_a_disaggregated_runs_spans_as_the_stream_it_was(tmp_path):
+  # benchmarks/mux_trace.py --spans=RUN/spans.jsonl: the loop's disaggregated mode runs a continuous stream, so
+  # the run's config.json beside the spans makes the fit a stream fit (review/calibrate.py stream=True)
+  import importlib.util
+  import os
+
+  from jaxrl_topo.review import calibrate, simulator
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.config import config_from_file
+
+  root = __file__.rsplit("/tests/", 1)[0]
+  c = config_from_file(os.path.join(root, "configs", "grpo_task.py"), "tiny")
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2})
+  c.run.max_staleness = 1
+  run.save_config(c, str(tmp_path))
+  truth = simulator.SimParams(n_devices=8, rollout_devices=4, batch_seqs=16, median_len=10.0, sigma=0.5,
+                              tokens_per_s_per_device=40.0, per_seq_tokens_per_s=20.0, train_s=1.0, train_devices=4,
+                              sync_latency_s=0.1, eta=1)
+  spans = calibrate.tile_rollouts(simulator.simulate("async", truth, n_steps=12).to_span_dicts())
+  with open(tmp_path / "spans.jsonl", "w") as f:
+    f.writelines(json.dumps(s) + "\n" for s in spans)
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps({"step": k, "perf/tokens": 180.0}) + "\n" for k in range(12))
+  spec = importlib.util.spec_from_file_location("mux_trace", os.path.join(root, "benchmarks", "mux_trace.py"))
+  mux_trace = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mux_trace)
+  p, source = mux_trace.base_params(str(tmp_path / "spans.jsonl"), str(tmp_path / "metrics.jsonl"), batch_seqs=16)
+  want = calibrate.calibrate(spans, batch_seqs=16, skip_steps=1, eta=1, stream=True, tokens_per_step=180.0)
+  assert "continuous rollout stream" in source
+  assert p.tokens_per_s_per_device == pytest.approx(want.tokens_per_s_per_device, rel=1e-9)
