@@ -241,6 +241,20 @@ def test_steady_state_compiles_nothing_new(tiny):
   assert (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size()) == sizes
 
 
+def test_chunks_of_every_length_share_one_decode_program(tiny):
+  """The chunk length is traced: short chunks, then chunks that grow to 60 steps for a longer straggler, run one
+  `generate` program (a static length compiled one per length, late, the first time a run needed it)."""
+  graphdef, params = tiny
+  eng = _engine(graphdef, params, n_slots=2, eos_ids=(), tail_chunk=4, max_chunk=60)
+  eng.run([Request(p, max_new_tokens=5) for p in _prompts(2, seed=8, max_len=15)])
+  size = engine_lib.generate._cache_size()
+  before = eng.stats["chunks"]
+  got = eng.run([Request(p, max_new_tokens=n) for p, n in zip(_prompts(2, seed=9, max_len=15), (3, 50), strict=True)])
+  assert [len(s.tokens) for s in got] == [3, 50]
+  assert eng.stats["chunks"] - before <= 5, "chunks did not grow (4, 8, 16, 32 steps...)"
+  assert engine_lib.generate._cache_size() == size, "a chunk length compiled its own program"
+
+
 def test_stop_ids_and_gen_id_tags(tiny):
   graphdef, params = tiny
   prompts = _prompts(3, seed=10)

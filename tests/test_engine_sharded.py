@@ -103,8 +103,8 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
   would fail both."""
   graphdef, params = tiny
   eng = _sharded_engine(graphdef, params, _mesh(data, tensor))
-  hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32),
-                              sampling=eng.sampling, n_steps=5,
+  hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32), np.int32(5),
+                              sampling=eng.sampling, capacity=5,
                               eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
   kv = eng.state.cache.k_LPSKH
   pool_elems = int(np.prod(kv.sharding.shard_shape(kv.shape)))

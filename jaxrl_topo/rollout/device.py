@@ -9,8 +9,8 @@ tokens, log-probs and finish flags. Functions, in the shape of JetStream's engin
             copies, then every sample's first token (its own key, from its prompt's last logits),
             written into that sample's slot row (or only returned: slot = B drops the row)
   patch     the page table and slot rows set from the host (stop-string finish, preemption, abort)
-  generate  K decode steps of every active slot; an idle slot feeds position -1, so it writes no K/V
-            and its attention reads no page (paged.py)
+  generate  up to K decode steps of every active slot (K traced: one program for every chunk length); an
+            idle slot feeds position -1, so it writes no K/V and its attention reads no page (paged.py)
 Alphabet: B slots, G prompts of a wave, T prompt bucket, N sample rows, M pages per slot,
 X stop ids per slot, C page copies, K decode steps, V vocabulary.
 Row padding: slot index B and page index P are out of range, and every scatter uses mode="drop".
@@ -215,11 +215,13 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
   return constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "n_steps", "eos_ids", "pad_id", "layout",
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "capacity", "eos_ids", "pad_id", "layout",
                                              "n_rows"), donate_argnames=("state",))
-def generate(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling: SamplingConfig, n_steps: int,
-             eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None, n_rows: int = 0):
-  """K = n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
+def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling: SamplingConfig,
+             capacity: int, eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None, n_rows: int = 0):
+  """Up to n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
+  n_steps (int32 scalar, traced: every chunk length runs one program) <= capacity (static), the K rows of
+  the outputs; rows past the steps run hold pad_id / 0 / False.
   With data shards each shard decodes its own slots and stops when they are done.
   live_floor_D (int32, one per data shard): the chunk also ends, early, at the first step at which the
   shard has fewer live rows than that (a slot freed while requests wait: the host admits into it at
@@ -227,20 +229,20 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, *, samplin
   n_rows (static; 0 = all): each shard decodes only its first n_rows live rows, packed into an n_rows batch
   (the host passes a bound on its live rows), so a step's cost follows the live rows, not the slots. A
   live row left out (only if the bound was wrong) just does not advance in this chunk."""
-  body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids,
+  body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, capacity=capacity, eos_ids=eos_ids,
                            pad_id=pad_id, sharded=_sharded(layout), n_rows=n_rows)
   specs, KB = _state_specs(state), P(None, "data")
-  state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R, _D), (specs, KB, KB, KB))(
-      params, state, key, live_floor_D)
+  state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R, _D, _R), (specs, KB, KB, KB))(
+      params, state, key, live_floor_D, jnp.asarray(n_steps, jnp.int32))
   state = constrain(state, layout)
   return state, tokens_KB, logprobs_KB, emitted_KB, state.active_B
 
 
-def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling, n_steps: int, eos_ids,
-                    pad_id: int, sharded: bool, n_rows: int):
+def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling, capacity: int,
+                    eos_ids, pad_id: int, sharded: bool, n_rows: int):
   B = state.last_B.shape[0]
   if not 0 < n_rows < B:
-    return _decode_rows(graphdef, params, state, key, live_floor_D, sampling=sampling, n_steps=n_steps,
+    return _decode_rows(graphdef, params, state, key, live_floor_D, n_steps, sampling=sampling, capacity=capacity,
                         eos_ids=eos_ids, pad_id=pad_id, sharded=sharded)
   # Pack: the live rows first (stable), the first n_rows of them decode; their results go back to their slots.
   rows_R = jnp.argsort(~state.active_B, stable=True)[:n_rows]
@@ -249,19 +251,19 @@ def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, *, 
                          pos_B=take(state.pos_B), seq_B=take(state.seq_B), left_B=take(state.left_B),
                          active_B=take(state.active_B), stop_BX=take(state.stop_BX))
   packed, tokens_KR, logprobs_KR, emitted_KR = _decode_rows(
-      graphdef, params, packed, key, live_floor_D, sampling=sampling, n_steps=n_steps, eos_ids=eos_ids, pad_id=pad_id,
-      sharded=sharded)
+      graphdef, params, packed, key, live_floor_D, n_steps, sampling=sampling, capacity=capacity, eos_ids=eos_ids,
+      pad_id=pad_id, sharded=sharded)
   put = lambda x, v: x.at[rows_R].set(v)  # noqa: E731
   state = state.replace(cache=state.cache.replace(k_LPSKH=packed.cache.k_LPSKH, v_LPSKH=packed.cache.v_LPSKH),
                         last_B=put(state.last_B, packed.last_B), pos_B=put(state.pos_B, packed.pos_B),
                         left_B=put(state.left_B, packed.left_B), active_B=put(state.active_B, packed.active_B))
-  cols = lambda x_KR, fill: jnp.full((n_steps, B), fill, x_KR.dtype).at[:, rows_R].set(x_KR)  # noqa: E731
+  cols = lambda x_KR, fill: jnp.full((capacity, B), fill, x_KR.dtype).at[:, rows_R].set(x_KR)  # noqa: E731
   return state, cols(tokens_KR, pad_id), cols(logprobs_KR, 0.0), cols(emitted_KR, False)
 
 
-def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, *, sampling, n_steps: int, eos_ids,
+def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling, capacity: int, eos_ids,
                  pad_id: int, sharded: bool):
-  """K decode steps of every row of `state` (its batch, packed or not)."""
+  """Up to n_steps (<= capacity) decode steps of every row of `state` (its batch, packed or not)."""
   model = _merge(graphdef, params, sharded)
 
   def step(carry):
@@ -281,11 +283,11 @@ def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, *, sam
   # past every row's end (and a whole chunk dispatched past the end) cost nothing. (A lax.cond around
   # the step would do the same but makes XLA copy the whole pool at every step.)
   B = state.last_B.shape[0]
-  init = (jnp.int32(0), state, jnp.full((n_steps, B), pad_id, jnp.int32), jnp.zeros((n_steps, B), jnp.float32),
-          jnp.zeros((n_steps, B), bool))
+  init = (jnp.int32(0), state, jnp.full((capacity, B), pad_id, jnp.int32), jnp.zeros((capacity, B), jnp.float32),
+          jnp.zeros((capacity, B), bool))
   def more(c):
     n_live = jnp.sum(c[1].active_B.astype(jnp.int32))
-    return (c[0] < n_steps) & (n_live > 0) & (n_live >= live_floor_D[0])
+    return (c[0] < jnp.minimum(n_steps, capacity)) & (n_live > 0) & (n_live >= live_floor_D[0])
 
   _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(more, step, init)
   return state, tokens_KB, logprobs_KB, emitted_KB

@@ -15,7 +15,8 @@ from scratch; since every sample's keys come from (seed, sequence id, position),
 sequence is identical to the one it replaces. Every emitted token carries the gen_id of the
 weights it was sampled under.
 Shapes are static per engine (slots, pages) and bucketed per call (prompt length, prompts and samples
-per wave, chunk length, the live rows a chunk packs: powers of two), so steady state compiles nothing new.
+per wave, the live rows a chunk packs: powers of two); a chunk's length is a traced value (one decode
+program for every length), so steady state compiles nothing new.
 """
 
 from __future__ import annotations
@@ -247,12 +248,16 @@ class RolloutEngine:
     rows = min(self.pool.slots_per_shard, max(2, _pow2(int(live_D.max())))) if pack else self.pool.slots_per_shard
     if pack and rows > 2:
       floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
-    out = generate(self._static, self.params, self.state, self.key, floor_D, sampling=self.sampling,
-                   n_steps=n_steps, eos_ids=e.eos_ids, pad_id=e.pad_id, layout=self.layout,
-                   n_rows=0 if rows == self.pool.slots_per_shard else rows)
+    if not 0 < n_steps <= e.chunk_capacity:
+      raise ValueError(f"a chunk of {n_steps} steps; EngineConfig allows 1..{e.chunk_capacity} (chunk_capacity)")
+    # The chunk length is traced (one program whatever it is); the outputs have chunk_capacity rows.
+    out = generate(self._static, self.params, self.state, self.key, floor_D, np.int32(n_steps),
+                   sampling=self.sampling, capacity=e.chunk_capacity, eos_ids=e.eos_ids, pad_id=e.pad_id,
+                   layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows)
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
-    return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards)
+    return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
+                       steps=n_steps)
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots
@@ -343,7 +348,8 @@ class RolloutEngine:
     for slot in np.flatnonzero(h.active_B):
       self.pool.ensure_capacity(int(slot), int(min(e.decode_chunk, h.left_B[slot])))
     _, (toks, lps, emitted, _) = self._read(self._dispatch())
-    return toks, lps, emitted
+    K = e.decode_chunk
+    return toks[:K], lps[:K], emitted[:K]
 
   def free(self, slot: int) -> None:
     """Returns the slot's pages (shared prompt pages when the last sibling goes)."""

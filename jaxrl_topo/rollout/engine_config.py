@@ -24,7 +24,7 @@ class EngineConfig:
   tail_chunk: int = 0  # run(): steps per chunk (0 = 4 x decode_chunk); ends early for waiting requests
   # run() with nobody watching chunk boundaries (no on_chunk, no episodes, no pending update): a chunk
   # doubles from tail_chunk up to this many steps while the longest live row needs it and the pool has
-  # the pages (0 = never past tail_chunk); each length compiles once
+  # the pages (0 = never past tail_chunk). Chunk lengths are traced: they share one program
   max_chunk: int = 256
 
   def __post_init__(self):
@@ -41,3 +41,8 @@ class EngineConfig:
   @property
   def tail_steps(self) -> int:
     return self.tail_chunk or 4 * self.decode_chunk
+
+  @property
+  def chunk_capacity(self) -> int:
+    """Rows of a chunk's outputs: the longest chunk the engine dispatches (every length runs one program)."""
+    return max(self.decode_chunk, self.tail_steps, self.max_chunk)

@@ -56,11 +56,12 @@ class _Dispatched:
   """Device results not yet read: first tokens of prefills (rows -> (slot, epoch, gen_id)) and a chunk."""
 
   firsts: list[tuple[jax.Array, jax.Array, list[tuple[int, int, int]]]]
-  chunk: tuple | None = None  # (tokens_KB, logprobs_KB, emitted_KB, active_B)
+  chunk: tuple | None = None  # (tokens_KB, logprobs_KB, emitted_KB, active_B); K = chunk_capacity
   epoch_B: np.ndarray | None = None
   gen_id: int = 0
   queued: bool = False  # requests were waiting for slots when it was dispatched
   rows: int = 0  # rows each step of the chunk computed (live rows packed; all slots when not packed)
+  steps: int = 0  # decode steps the chunk was dispatched for (its outputs have EngineConfig.chunk_capacity rows)
 
 
 def _pow2(n: int) -> int:

@@ -114,7 +114,7 @@ class Stream:
     # Pages for the unread chunk's writes and the next one's. While requests wait, a chunk ends early
     # at the first slot that frees (the host refills it at once), else after decode_chunk steps; in the
     # tail, long chunks (fewer host round trips; steps past every row's end are skipped).
-    unread = self.inflight.chunk[0].shape[0] if self.inflight is not None else 0
+    unread = self.inflight.steps if self.inflight is not None else 0
     if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
       loop.fill(unread + eng.ecfg.decode_chunk)
       eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
@@ -142,7 +142,7 @@ class Stream:
     chunk boundaries (no on_chunk hook, or one with `needs_boundaries = False`, e.g. a progress bar; no
     episodes, no pending update). Waiting requests still end
     a chunk as soon as slots free (exit_on_free). Fewer, longer chunks: fewer host round trips at
-    small batch; the lengths are powers of two times tail_chunk, so few programs compile."""
+    small batch. The length is traced: every chunk length runs the same program."""
     eng, loop = self.engine, self.loop
     n = eng.ecfg.tail_steps
     hooked = self.on_chunk is not None and getattr(self.on_chunk, "needs_boundaries", True)
