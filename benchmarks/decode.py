@@ -21,7 +21,8 @@ Fixed-length workload (`--workload=fixed`): the Llama-3-shaped model below (rand
 of 32 random tokens, exactly 64 new tokens each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
 median of `--repeats` (20) after a warm-up. paged = RolloutEngine with B slots; dense = one generate_dense call.
 Pool workload (`--workload=pool`): the same model, B = 8 slots prefilled to `--contexts` tokens, then one decode chunk
-timed (median of `--repeats`, a fresh prefill before each); one line per (pool pages, context): `step_s` = chunk / K.
+timed (median of `--repeats`, a fresh prefill before each); one line per (pool pages, context): `step_s` = chunk / K,
+`insert_s` = one prompt's insert (its prefill and first token, read back): mean of a round's 8, median of rounds.
 The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
 calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
 chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
@@ -201,21 +202,24 @@ def pool_sweep(graphdef, cfg, params, args, common):
         ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
                             sampling=SAMPLED, eos_ids=(), min_bucket=ctx)
         engines[(n_pages, ctx)] = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
-  walls = {key: [] for key in engines}
+  walls, inserts = {key: [] for key in engines}, {key: [] for key in engines}
   for rep in range(args.repeats + 1):  # round 0 compiles
     for (n_pages, ctx), engine in engines.items():
-      slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
-               for b in range(B)]
       t0 = time.perf_counter()
+      slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
+               for b in range(B)]  # each insert: one prefill, its first token read back
+      t1 = time.perf_counter()
       engine.generate()  # dispatch, run and read back one chunk
       if rep:
-        walls[(n_pages, ctx)].append(time.perf_counter() - t0)
+        walls[(n_pages, ctx)].append(time.perf_counter() - t1)
+        inserts[(n_pages, ctx)].append((t1 - t0) / B)
       for slot in slots:
         engine.free(slot)
   for (n_pages, ctx), w in walls.items():
     wall = statistics.median(w)
     print(json.dumps({"impl": "paged", "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
-                      "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, "chunk_s_all": w, **common}), flush=True)
+                      "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, "chunk_s_all": w,
+                      "insert_s": statistics.median(inserts[(n_pages, ctx)]), **common}), flush=True)
 
 
 def main():

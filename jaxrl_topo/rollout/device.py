@@ -185,7 +185,12 @@ def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_G
   n_local = state.cache.n_pages
   view = state.cache.replace(table_BM=_local_pages(table_GM, n_local, sharded, -1))
   positions_GT = start_G[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view)
+  # Every layer's K/V are written after the forward pass, not layer by layer (paged.PagedKVCache.deferring),
+  # and the write depends on the last layer's output (a row whose hidden state is not finite writes nothing):
+  # XLA updates the pool in place only once every read of it is ordered before the write by a data dependency.
+  # Without both, it copied the whole pool in every prefill.
+  h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view.deferring(positions_GT))
+  view = view.flush(positions_GT, write_B=jnp.isfinite(h_GTD).all(axis=(1, 2)))
   h_G1D = jnp.take_along_axis(h_GTD, (lengths_G - 1)[:, None, None], axis=1)
   logits_GV = model.logits(h_G1D)[:, 0]
   cache = state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH,
