@@ -121,8 +121,9 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
 @pytest.mark.parametrize("data, tensor", [(1, 1), (2, 2)])
 def test_compiled_prefill_and_decode_never_copy_the_pool(tiny, monkeypatch, data, tensor):
   """The programs that write the pool update it in place: no `copy` of a pool-sized buffer in the compiled
-  prefill (a GRPO group: its prompt's pages and a fork's copy-on-write page) or decode chunk. Prefill once
-  wrote layer by layer, and XLA copied the whole pool twice in every wave (177 ms a wave at 8,192 pages)."""
+  prefill (a GRPO group: its prompt's pages and a fork's copy-on-write page) or decode chunk. Before the
+  copy-on-write depended on the layers' output, XLA copied the whole pool twice in every prefill (201 ms a
+  wave at 8,192 pages)."""
   graphdef, params = tiny
   eng = _sharded_engine(graphdef, params, None if data == 1 else _mesh(data, tensor))
   texts = {}

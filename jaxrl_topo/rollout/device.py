@@ -185,17 +185,15 @@ def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_G
   n_local = state.cache.n_pages
   view = state.cache.replace(table_BM=_local_pages(table_GM, n_local, sharded, -1))
   positions_GT = start_G[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  # Every layer's K/V are written after the forward pass, not layer by layer (paged.PagedKVCache.deferring),
-  # and the write depends on the last layer's output (a row whose hidden state is not finite writes nothing):
-  # XLA updates the pool in place only once every read of it is ordered before the write by a data dependency.
-  # Without both, it copied the whole pool in every prefill.
-  h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view.deferring(positions_GT))
-  view = view.flush(positions_GT, write_B=jnp.isfinite(h_GTD).all(axis=(1, 2)))
+  h_GTD, view = model.hidden(tokens_GT, positions_GT, None, view)
   h_G1D = jnp.take_along_axis(h_GTD, (lengths_G - 1)[:, None, None], axis=1)
   logits_GV = model.logits(h_G1D)[:, 0]
   cache = state.cache.replace(k_LPSKH=view.k_LPSKH, v_LPSKH=view.v_LPSKH,
                               table_BM=_local_pages(table_BM, n_local, sharded, -1))
-  cache = _copy_pages(cache, src_C, dst_C, sharded)
+  # The forks' copy-on-write reads and writes the pool after the layers' attention read it. XLA updates the
+  # pool in place only if a data dependency orders those reads first, else it copies the whole pool (twice,
+  # in every prefill). Hence dst depends on h: a wave whose hidden states are not finite copies no page.
+  cache = _copy_pages(cache, src_C, jnp.where(jnp.isfinite(h_GTD).all(), dst_C, -1), sharded)
   len_N = start_G[prompt_N] + lengths_G[prompt_N]  # the sampled token's position
   tok_N, lp_N = sample_tokens(logits_GV[prompt_N], sequence_keys(key, seq_N, len_N), sampling)
   active_N = (left_N > 0) & ~_stops(tok_N, stop_NX, eos_ids)

@@ -40,8 +40,6 @@ idle steps) makes XLA copy the whole pool every step; engine.generate stops earl
 Writes: each token's K/V is scattered to (page, slot). A position whose page is -1 (unassigned:
 padding rows, prefill right-padding past the row's pages, positions >= M*S) is mapped to page
 index P, out of range, and dropped by `mode="drop"`. (Left as -1 it would wrap to page P-1.)
-Prefill writes through `deferring` / `flush`: every layer's K/V at once after the forward pass, so that XLA
-can update the pool in place (see `deferring`).
 """
 
 from __future__ import annotations
@@ -67,9 +65,6 @@ class PagedKVCache:
   page_size: int = struct.field(pytree_node=False)
   impl: str = struct.field(pytree_node=False, default="fast")
   block_tokens: int = struct.field(pytree_node=False, default=128)  # keys per fast-loop block (≥ 1 page)
-  # Set by `deferring` (prefill): each layer's new K/V, in the pool dtype, waiting for `flush`.
-  pending_k_LBTKH: jax.Array | None = None
-  pending_v_LBTKH: jax.Array | None = None
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
@@ -97,46 +92,17 @@ class PagedKVCache:
     page_BT = jnp.take_along_axis(self.table_BM, jnp.where(valid_BT, idx_BT, 0), axis=1)
     return jnp.where(valid_BT, page_BT, -1)
 
-  def _page_slot(self, positions_BT):
-    """(page, slot) of each position; unassigned pages -> page index P, out of range: dropped, never wrapped."""
-    page_BT = self.page_of(positions_BT)
-    return jnp.where(page_BT < 0, self.n_pages, page_BT), positions_BT % self.page_size
-
   def write(self, layer: int, k_BTKH, v_BTKH, positions_BT) -> PagedKVCache:
     """Scatters this layer's new K/V to (page, slot); tokens on unassigned pages are dropped."""
-    page_BT, slot_BT = self._page_slot(positions_BT)
+    page_BT = self.page_of(positions_BT)
+    page_BT = jnp.where(page_BT < 0, self.n_pages, page_BT)  # out of range -> dropped, never wrapped
+    slot_BT = positions_BT % self.page_size
     k = self.k_LPSKH.at[layer, page_BT, slot_BT].set(k_BTKH.astype(self.k_LPSKH.dtype), mode="drop")
     v = self.v_LPSKH.at[layer, page_BT, slot_BT].set(v_BTKH.astype(self.v_LPSKH.dtype), mode="drop")
     return self.replace(k_LPSKH=k, v_LPSKH=v)
 
-  def deferring(self, positions_BT) -> PagedKVCache:
-    """A view whose `attend` leaves the pool as it is: each layer's new K/V wait in `pending_*`, its attention
-    reads the pool's pages with them laid over, and `flush` writes every layer at once. Used by prefill: there,
-    writing layer by layer (each layer's gather reading pages the next layer's scatter writes) made XLA copy
-    the whole pool, twice, in every prefill (measured: 177 ms a wave at 8,192 pages, 13 ms at 256)."""
-    L, B, T = self.k_LPSKH.shape[0], *positions_BT.shape
-    shape = (L, B, T, *self.k_LPSKH.shape[3:])
-    return self.replace(pending_k_LBTKH=jnp.zeros(shape, self.k_LPSKH.dtype),
-                        pending_v_LBTKH=jnp.zeros(shape, self.v_LPSKH.dtype))
-
-  def flush(self, positions_BT, write_B=None) -> PagedKVCache:
-    """Writes the pending K/V of every layer at `positions_BT` (one scatter each for K and V); rows with
-    write_B False write nothing."""
-    page_BT, slot_BT = self._page_slot(positions_BT)
-    if write_B is not None:
-      page_BT = jnp.where(write_B[:, None], page_BT, self.n_pages)
-    k = self.k_LPSKH.at[:, page_BT, slot_BT].set(self.pending_k_LBTKH, mode="drop")
-    v = self.v_LPSKH.at[:, page_BT, slot_BT].set(self.pending_v_LBTKH, mode="drop")
-    return self.replace(k_LPSKH=k, v_LPSKH=v, pending_k_LBTKH=None, pending_v_LBTKH=None)
-
   def attend(self, layer: int, q_BTNH, k_BTKH, v_BTKH, positions_BT):
     """Stores this layer's new keys/values at `positions_BT`, then attends over s <= position."""
-    if self.pending_k_LBTKH is not None:  # deferring: the pool is read, not written (see `deferring`)
-      k_BTKH, v_BTKH = k_BTKH.astype(self.k_LPSKH.dtype), v_BTKH.astype(self.v_LPSKH.dtype)
-      new = self.replace(pending_k_LBTKH=self.pending_k_LBTKH.at[layer].set(k_BTKH),
-                         pending_v_LBTKH=self.pending_v_LBTKH.at[layer].set(v_BTKH))
-      return _reference(q_BTNH, self.k_LPSKH, self.v_LPSKH, layer, self.table_BM, positions_BT, self.page_size,
-                        overlay=(k_BTKH, v_BTKH)), new
     new = self.write(layer, k_BTKH, v_BTKH, positions_BT)
     # The reads index (layer, page) in one gather on the whole pool: slicing `k_LPSKH[layer]` first
     # would copy the layer's entire pool every step (inside a loop XLA cannot fuse the slice away).
@@ -157,19 +123,13 @@ class PagedKVCache:
     return _reference(q_BTNH, new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT, self.page_size), new
 
 
-def _reference(q_BTNH, k_LPSKH, v_LPSKH, layer: int, table_BM, positions_BT, page_size: int, overlay=None):
-  """Gathers every row's M pages of `layer` into a dense cache and runs layers.gqa_attention. `overlay` =
-  (k_BTKH, v_BTKH): K/V not yet in the pool, laid over the gathered pages at `positions_BT` (what the pool
-  would hold once written: a position on an unassigned page is masked either way)."""
+def _reference(q_BTNH, k_LPSKH, v_LPSKH, layer: int, table_BM, positions_BT, page_size: int):
+  """Gathers every row's M pages of `layer` into a dense cache and runs layers.gqa_attention."""
   B, M = table_BM.shape
   _, _, S, K, H = k_LPSKH.shape
   pages_BM = jnp.maximum(table_BM, 0)  # unassigned pages are read (page 0) but masked below
   k_BSKH = k_LPSKH[layer, pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
   v_BSKH = v_LPSKH[layer, pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
-  if overlay is not None:
-    b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], positions_BT.shape)
-    k_BSKH = k_BSKH.at[b_BT, positions_BT].set(overlay[0].astype(q_BTNH.dtype), mode="drop")
-    v_BSKH = v_BSKH.at[b_BT, positions_BT].set(overlay[1].astype(q_BTNH.dtype), mode="drop")
   assigned_BS = jnp.repeat(table_BM >= 0, page_size, axis=1)
   mask_BTS = (jnp.arange(M * S)[None, None, :] <= positions_BT[:, :, None]) & assigned_BS[:, None, :]
   return gqa_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
