@@ -1,4 +1,5 @@
-"""Paged KV cache: fast == reference == a numpy softmax over the valid tokens; paged == dense == full forward."""
+"""Paged KV cache: fast == bucketed (heads folded or not) == reference == a numpy softmax over the valid
+tokens; paged == dense == full forward."""
 
 from __future__ import annotations
 
@@ -68,18 +69,20 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
   v_new = rng.normal(size=(4, 1, K, H)).astype(np.float32)
   pos = (lengths - 1)[:, None].astype(np.int32)
 
-  def run(impl):
+  def run(impl, fold_heads=True):
     cache = PagedKVCache(k_LPSKH=jnp.asarray(k_pool), v_LPSKH=jnp.asarray(v_pool), table_BM=jnp.asarray(table),
-                         page_size=S, impl=impl, block_tokens=8)  # 8 keys/block: several loop trips
+                         page_size=S, impl=impl, block_tokens=8,  # 8 keys/block: several loop trips
+                         fold_heads=fold_heads)
     return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)
 
   (fast, fast_cache), (ref, ref_cache), (buck, buck_cache) = run("fast"), run("reference"), run("bucketed")
+  unfolded, unfolded_cache = run("bucketed", fold_heads=False)  # bucketed where KV heads are split over devices
   pallas, pallas_cache = run("pallas")  # the GPU kernel, in Pallas interpret mode on CPU
   k_want, v_want = k_pool.copy(), v_pool.copy()
   for b in range(4):
     k_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = k_new[b, 0]
     v_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = v_new[b, 0]
-  for cache in (fast_cache, ref_cache, buck_cache, pallas_cache):  # exactly the four new slots of layer 1 changed
+  for cache in (fast_cache, ref_cache, buck_cache, unfolded_cache, pallas_cache):  # only layer 1's four new slots
     np.testing.assert_array_equal(cache.k_LPSKH, k_want)
     np.testing.assert_array_equal(cache.v_LPSKH, v_want)
   want = _numpy_attention(q[:, 0], k_want[1], v_want[1], table, pos[:, 0])
@@ -87,6 +90,7 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
   np.testing.assert_allclose(fast[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(fast, ref, atol=2e-5, rtol=0)
   np.testing.assert_allclose(buck[:, 0], want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(unfolded[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(pallas[:, 0], want, atol=2e-5, rtol=0)
 
 

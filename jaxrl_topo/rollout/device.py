@@ -67,6 +67,11 @@ class Layout:
     """Data shards: each owns B/data slots and P/data pages."""
     return dict(self.B.mesh.shape).get("data", 1)
 
+  @property
+  def kv_heads_split(self) -> bool:
+    """Whether KV heads are split over a `tensor` axis of more than one device."""
+    return self.kv.spec[3] is not None and dict(self.kv.mesh.shape)[self.kv.spec[3]] > 1
+
 
 @struct.dataclass
 class DecodeState:

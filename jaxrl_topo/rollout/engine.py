@@ -99,7 +99,8 @@ class RolloutEngine:
 
     def zeros():
       cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
-                                 dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None)
+                                 dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None,
+                                 fold_heads=self.layout is None or not self.layout.kv_heads_split)
       z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
       state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
                           stop_BX=jnp.full((B, MAX_STOP_IDS), -1, jnp.int32))

@@ -17,7 +17,8 @@ Four read paths, chosen by the static `impl`:
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
   bucketed   (the engine's default) for decode (T == 1), one masked softmax over the first n pages of
              every row, n = the longest row's page count rounded up to a power of two, chosen by a
-             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls.
+             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls, with
+             the KV heads folded into the key axis where they are whole on the device (see below).
   pallas     for decode, one Pallas kernel reading pages in place (pallas_paged.py; interpret mode
              off GPU, so on CPU it is a test of the kernel, not a fast path).
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
@@ -65,10 +66,12 @@ class PagedKVCache:
   page_size: int = struct.field(pytree_node=False)
   impl: str = struct.field(pytree_node=False, default="fast")
   block_tokens: int = struct.field(pytree_node=False, default=128)  # keys per fast-loop block (≥ 1 page)
+  # bucketed: read the KV heads folded into the key axis (below); False where KV heads are split over devices
+  fold_heads: bool = struct.field(pytree_node=False, default=True)
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
-            dtype=None, impl: str = "fast", block_tokens: int = 128) -> PagedKVCache:
+            dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = True) -> PagedKVCache:
     """An all-zero pool and an all -1 table (the host allocator fills `table_BM`)."""
     if impl not in IMPLS:
       raise ValueError(f"PagedKVCache impl={impl!r}; expected one of {IMPLS}")
@@ -79,7 +82,7 @@ class PagedKVCache:
     dtype = dtype or jnp.dtype(cfg.dtype)
     return cls(k_LPSKH=jnp.zeros(shape, dtype), v_LPSKH=jnp.zeros(shape, dtype),
                table_BM=jnp.full((batch, max_pages_per_seq), -1, jnp.int32), page_size=page_size, impl=impl,
-               block_tokens=block_tokens)
+               block_tokens=block_tokens, fold_heads=fold_heads)
 
   @property
   def n_pages(self) -> int:
@@ -114,7 +117,7 @@ class PagedKVCache:
       return out_BNH[:, None], new
     if self.impl == "bucketed" and q_BTNH.shape[1] == 1:
       out_BNH = _decode_bucketed(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],
-                                 self.page_size)
+                                 self.page_size, self.fold_heads)
       return out_BNH[:, None], new
     if self.impl == "fast" and q_BTNH.shape[1] == 1:
       out_BNH = _decode_blocks(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],
@@ -176,21 +179,25 @@ def _decode_blocks(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_si
   return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
 
 
-def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_size: int):
+def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_size: int, fold_heads: bool):
   """One query per row; one masked softmax over the first n pages of every row, n = the longest
   row's page count rounded up to a power of two (a `lax.switch` over log2(M) + 1 static widths).
   No loop: one gather and two matmuls, reading at most twice the longest row's pages."""
   M = table_BM.shape[1]
   S = page_size
+  K = k_LPSKH.shape[3]
   widths = sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
   used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
   branch = jnp.searchsorted(jnp.asarray(widths), used)  # first width >= used (used = 0 -> width 1)
 
   def attend(n):
     def f(q_BNH):
-      B, N, H = q_BNH.shape
-      K = k_LPSKH.shape[3]
       pages_Bn = table_BM[:, :n]
+      if fold_heads:
+        k_BTH = _gather_folded(k_LPSKH, layer, pages_Bn, q_BNH.dtype)
+        v_BTH = _gather_folded(v_LPSKH, layer, pages_Bn, q_BNH.dtype)
+        return _attend_folded(q_BNH, k_BTH, v_BTH, _folded_mask(q_BNH, pages_Bn, pos_B, K, S))
+      B, N, H = q_BNH.shape
       k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
       v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
       mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
@@ -205,3 +212,41 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
     return f
 
   return jax.lax.switch(branch, [attend(n) for n in widths], q_BNH)
+
+
+# The bucketed read folds the KV-head axis into the key axis: a gathered [B, n, S, K, H] block is read as
+# [B, T = n*S*K, H] (key t is slot t // K of kv head t % K) with no transpose, and every query head scores
+# all T keys, the other heads' keys masked out. That doubles the (tiny) attention FLOPs at K = 2, but the
+# dots take the gathered block as it lies: with keys laid out [B, W, K, H] and the kv head as a dot batch
+# dimension instead, XLA:CPU copies each gathered block into dot layout (a transpose per layer, K and V),
+# and those copies were half of a fixed-length decode step (2.5-3x slower reads, benchmarks/RESULTS.md).
+# Only where the KV heads are whole on each device: merging an axis split over `tensor` into the key axis
+# would make GSPMD gather the pool across devices, so there (fold_heads=False) the read keeps heads apart.
+
+
+def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
+  """Row b's pages `pages_Bn[b]` of `layer` as [B, n*S*K, H] (unassigned pages read page 0, masked later)."""
+  B, n = pages_Bn.shape
+  _, _, S, K, H = x_LPSKH.shape
+  return x_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S * K, H).astype(dtype)
+
+
+def _folded_mask(q_BNH, pages_Bn, pos_B, K: int, S: int):
+  """[B, N, T]: key t (slot s = t // K of kv head t % K) is visible to query head j of row b when s <= pos_b,
+  its page is assigned and t % K is j's kv head (j // G)."""
+  N = q_BNH.shape[1]
+  t_T = jnp.arange(pages_Bn.shape[1] * S * K)
+  seen_BT = (t_T[None, :] // K <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S * K, axis=1)
+  head_NT = (t_T[None, :] % K) == (jnp.arange(N) // (N // K))[:, None]
+  return seen_BT[:, None, :] & head_NT[None]
+
+
+def _attend_folded(q_BNH, k_BTH, v_BTH, mask_BNT):
+  """Masked softmax attention of one query per head over folded keys; a row with no visible key gives 0."""
+  H = q_BNH.shape[-1]
+  logits_BNT = jnp.einsum("BNH,BTH->BNT", q_BNH, k_BTH, preferred_element_type=jnp.float32) * H**-0.5
+  logits_BNT = jnp.where(mask_BNT, logits_BNT, _MASKED)
+  p_BNT = jnp.where(mask_BNT, jnp.exp(logits_BNT - logits_BNT.max(-1, keepdims=True)), 0.0)
+  l_BN = p_BNT.sum(-1)
+  out_BNH = jnp.einsum("BNT,BTH->BNH", p_BNT.astype(v_BTH.dtype), v_BTH, preferred_element_type=jnp.float32)
+  return (out_BNH / jnp.where(l_BN > 0, l_BN, 1.0)[..., None]).astype(q_BNH.dtype)
