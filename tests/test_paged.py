@@ -3,6 +3,8 @@ tokens; paged == dense == full forward."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from jaxrl_topo.models.layers import DenseKVCache
 from jaxrl_topo.models.model import forward, init_params
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.rollout.paged import PagedKVCache
+from jaxrl_topo.rollout.pallas_paged import resolve_impl
 
 CFG = get_preset("tiny")
 _forward = jax.jit(forward, static_argnums=0)  # one compile per (cache type, shapes), shared across tests
@@ -235,3 +238,12 @@ def test_an_idle_row_writes_nothing_and_reads_nothing(impl):
   ref, _ = jax.jit(lambda c: c.replace(impl="reference").attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(
       cache)
   np.testing.assert_allclose(out[1], ref[1], atol=2e-5, rtol=0)
+
+
+def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
+  """resolve_impl's GPU branch, its trial run in interpret mode: a trial that cannot call the XLA read it
+  compares against (any exception there means "bucketed") would silently turn the GPU kernel off."""
+  cfg = dataclasses.replace(CFG, n_heads=16, n_kv_heads=1, head_dim=16)  # shapes the GPU kernel accepts
+  assert resolve_impl("auto", cfg, 16, backend="gpu") == "pallas"
+  assert resolve_impl("auto", cfg, 16, backend="cpu") == "bucketed"
+  assert resolve_impl("auto", dataclasses.replace(cfg, n_kv_heads=2), 16, backend="gpu") == "bucketed"  # G = 8

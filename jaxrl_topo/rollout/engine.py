@@ -76,6 +76,10 @@ class RolloutEngine:
     self._stream = None  # the open stream (run() opens one of its own)
     self.layout = device.layout_for(mesh, ecfg.n_slots, ecfg.n_pages, cfg.n_kv_heads)
     self.impl = resolve_impl(ecfg.impl, cfg, ecfg.page_size)
+    # The bucketed read folds KV heads into its key axis (paged.py) on CPU, where that was measured to pay
+    # (no copy into dot layout), and only where each device holds whole KV heads.
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    self._fold_heads = platform == "cpu" and not (self.layout is not None and self.layout.kv_heads_split)
     self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq,
                          n_shards=self.layout.data if self.layout else 1)  # a data shard's slots get its pages
     self.host = _SlotMirror.zeros(ecfg.n_slots)
@@ -100,7 +104,7 @@ class RolloutEngine:
     def zeros():
       cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
                                  dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None,
-                                 fold_heads=self.layout is None or not self.layout.kv_heads_split)
+                                 fold_heads=self._fold_heads)
       z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
       state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
                           stop_BX=jnp.full((B, MAX_STOP_IDS), -1, jnp.int32))

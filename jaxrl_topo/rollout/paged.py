@@ -66,12 +66,12 @@ class PagedKVCache:
   page_size: int = struct.field(pytree_node=False)
   impl: str = struct.field(pytree_node=False, default="fast")
   block_tokens: int = struct.field(pytree_node=False, default=128)  # keys per fast-loop block (≥ 1 page)
-  # bucketed: read the KV heads folded into the key axis (below); False where KV heads are split over devices
-  fold_heads: bool = struct.field(pytree_node=False, default=True)
+  # bucketed: read the KV heads folded into the key axis (below); never where KV heads are split over devices
+  fold_heads: bool = struct.field(pytree_node=False, default=False)
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
-            dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = True) -> PagedKVCache:
+            dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = False) -> PagedKVCache:
     """An all-zero pool and an all -1 table (the host allocator fills `table_BM`)."""
     if impl not in IMPLS:
       raise ValueError(f"PagedKVCache impl={impl!r}; expected one of {IMPLS}")
@@ -216,12 +216,14 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
 
 # The bucketed read folds the KV-head axis into the key axis: a gathered [B, n, S, K, H] block is read as
 # [B, T = n*S*K, H] (key t is slot t // K of kv head t % K) with no transpose, and every query head scores
-# all T keys, the other heads' keys masked out. That doubles the (tiny) attention FLOPs at K = 2, but the
-# dots take the gathered block as it lies: with keys laid out [B, W, K, H] and the kv head as a dot batch
-# dimension instead, XLA:CPU copies each gathered block into dot layout (a transpose per layer, K and V),
-# and those copies were half of a fixed-length decode step (2.5-3x slower reads, benchmarks/RESULTS.md).
-# Only where the KV heads are whole on each device: merging an axis split over `tensor` into the key axis
-# would make GSPMD gather the pool across devices, so there (fold_heads=False) the read keeps heads apart.
+# all T keys, the other heads' keys masked out. That multiplies the attention FLOPs and logits by K (2x at
+# K = 2, small next to the weights), but the dots take the gathered block as it lies; with keys laid out
+# [B, W, K, H] and the kv head as a dot batch dimension, XLA:CPU copies each gathered block into dot layout.
+# Measured (benchmarks/RESULTS.md): the decode step 1.4x faster at 1,024-token contexts, the same within
+# noise at 64-256 (there the gather itself, at copy bandwidth, is the cost). The engine folds on CPU only
+# (measured there; on GPU the Pallas kernel is the default and the K-fold logits are not obviously a good
+# trade), and never where KV heads are split over `tensor`: merging a split axis into the key axis would
+# make GSPMD gather the pool across devices.
 
 
 def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
