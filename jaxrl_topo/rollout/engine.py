@@ -76,10 +76,11 @@ class RolloutEngine:
     self._stream = None  # the open stream (run() opens one of its own)
     self.layout = device.layout_for(mesh, ecfg.n_slots, ecfg.n_pages, cfg.n_kv_heads)
     self.impl = resolve_impl(ecfg.impl, cfg, ecfg.page_size)
-    # The bucketed read folds KV heads into its key axis (paged.py) on CPU, where that was measured to pay
-    # (no copy into dot layout), and only where each device holds whole KV heads.
+    # The bucketed read folds KV heads into its key axis (paged.py) where that was measured to pay: on CPU,
+    # at most 2 KV heads (the fold multiplies attention FLOPs by their count), each device holding them whole.
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    self._fold_heads = platform == "cpu" and not (self.layout is not None and self.layout.kv_heads_split)
+    self._fold_heads = (platform == "cpu" and cfg.n_kv_heads <= 2
+                        and not (self.layout is not None and self.layout.kv_heads_split))
     self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq,
                          n_shards=self.layout.data if self.layout else 1)  # a data shard's slots get its pages
     self.host = _SlotMirror.zeros(ecfg.n_slots)

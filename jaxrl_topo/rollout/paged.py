@@ -220,10 +220,10 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
 # K = 2, small next to the weights), but the dots take the gathered block as it lies; with keys laid out
 # [B, W, K, H] and the kv head as a dot batch dimension, XLA:CPU copies each gathered block into dot layout.
 # Measured (benchmarks/RESULTS.md): the decode step 1.4x faster at 1,024-token contexts, the same within
-# noise at 64-256 (there the gather itself, at copy bandwidth, is the cost). The engine folds on CPU only
-# (measured there; on GPU the Pallas kernel is the default and the K-fold logits are not obviously a good
-# trade), and never where KV heads are split over `tensor`: merging a split axis into the key axis would
-# make GSPMD gather the pool across devices.
+# noise at 64-256 (there the gather itself, at copy bandwidth, is the cost). The engine folds only where
+# that was measured: on CPU (on GPU the Pallas kernel is the default) and with K <= 2 (at K = 8 the K-fold
+# attention FLOPs would rival the weights' at long contexts); never where KV heads are split over `tensor`:
+# merging a split axis into the key axis would make GSPMD gather the pool across devices.
 
 
 def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
