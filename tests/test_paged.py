@@ -220,14 +220,15 @@ def test_decode_step_compiles_once_and_donates(model):
   np.testing.assert_allclose(np.stack(got, axis=1), want, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["fast", "bucketed", "pallas"])
-def test_an_idle_row_writes_nothing_and_reads_nothing(impl):
+@pytest.mark.parametrize("impl, fold_heads", [("fast", False), ("bucketed", False), ("bucketed", True),
+                                              ("pallas", False)])
+def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
   """Position -1 (an idle decode slot): the pool is unchanged and the row's output is zero, while
   the live row beside it attends as usual."""
   S, P = 4, 6
   k_pool = jax.random.normal(jax.random.key(3), (CFG.n_layers, P, S, CFG.n_kv_heads, CFG.head_dim))
   cache = PagedKVCache(k_LPSKH=k_pool, v_LPSKH=-k_pool, table_BM=jnp.asarray([[2, 4], [1, 3]], jnp.int32),
-                       page_size=S, impl=impl)
+                       page_size=S, impl=impl, fold_heads=fold_heads)
   q = jax.random.normal(jax.random.key(4), (2, 1, CFG.n_heads, CFG.head_dim))
   new = jnp.ones((2, 1, CFG.n_kv_heads, CFG.head_dim))
   out, got = jax.jit(lambda c: c.attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)

@@ -17,8 +17,8 @@ Four read paths, chosen by the static `impl`:
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
   bucketed   (the engine's default) for decode (T == 1), one masked softmax over the first n pages of
              every row, n = the longest row's page count rounded up to a power of two, chosen by a
-             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls, with
-             the KV heads folded into the key axis where they are whole on the device (see below).
+             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls;
+             with `fold_heads` (the engine's choice on CPU, see below) the KV heads fold into the key axis.
   pallas     for decode, one Pallas kernel reading pages in place (pallas_paged.py; interpret mode
              off GPU, so on CPU it is a test of the kernel, not a fast path).
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
@@ -223,7 +223,8 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
 # noise at 64-256 (there the gather itself, at copy bandwidth, is the cost). The engine folds only where
 # that was measured: on CPU (on GPU the Pallas kernel is the default) and with K <= 2 (at K = 8 the K-fold
 # attention FLOPs would rival the weights' at long contexts); never where KV heads are split over `tensor`:
-# merging a split axis into the key axis would make GSPMD gather the pool across devices.
+# merging a split axis into the key axis makes GSPMD all-gather each layer's gathered block (batch x width)
+# across devices at every step.
 
 
 def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
