@@ -100,9 +100,11 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
   """The compiled `generate` chunk: every collective stays inside one data shard (the tensor-parallel
   sums of the model) and is far smaller than a device's share of the pool; without `tensor`, there is
   no collective at all. An all-gather of the pool (GSPMD's answer to a gather it cannot prove local)
-  would fail both."""
+  would fail both. On CPU the engine folds tiny's 2 KV heads into the key axis (paged.py) exactly where
+  tensor does not split them; folding split heads would all-gather each step's gathered K/V."""
   graphdef, params = tiny
   eng = _sharded_engine(graphdef, params, _mesh(data, tensor))
+  assert eng.state.cache.fold_heads == (tensor == 1)
   hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32), np.int32(5),
                               sampling=eng.sampling, capacity=5,
                               eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
