@@ -45,6 +45,8 @@ index P, out of range, and dropped by `mode="drop"`. (Left as -1 it would wrap t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -185,33 +187,31 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
   No loop: one gather and two matmuls, reading at most twice the longest row's pages."""
   M = table_BM.shape[1]
   S = page_size
-  K = k_LPSKH.shape[3]
   widths = sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
   used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
   branch = jnp.searchsorted(jnp.asarray(widths), used)  # first width >= used (used = 0 -> width 1)
 
-  def attend(n):
-    def f(q_BNH):
-      pages_Bn = table_BM[:, :n]
-      if fold_heads:
-        k_BTH = _gather_folded(k_LPSKH, layer, pages_Bn, q_BNH.dtype)
-        v_BTH = _gather_folded(v_LPSKH, layer, pages_Bn, q_BNH.dtype)
-        return _attend_folded(q_BNH, k_BTH, v_BTH, _folded_mask(q_BNH, pages_Bn, pos_B, K, S))
-      B, N, H = q_BNH.shape
-      k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
-      v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
-      mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
-      q_BKGH = q_BNH.reshape(B, K, N // K, H)
-      logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
-      logits_BKGW = jnp.where(mask_BW[:, None, None, :], logits_BKGW, _MASKED)
-      p_BKGW = jnp.where(mask_BW[:, None, None, :], jnp.exp(logits_BKGW - logits_BKGW.max(-1, keepdims=True)), 0.0)
-      l_BKG = p_BKGW.sum(-1)
-      out_BKGH = jnp.einsum("BKGW,BWKH->BKGH", p_BKGW.astype(v_BWKH.dtype), v_BWKH, preferred_element_type=jnp.float32)
-      out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
-      return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
-    return f
+  read = _read_folded if fold_heads else _read_by_head
+  branches = [functools.partial(read, k_LPSKH=k_LPSKH, v_LPSKH=v_LPSKH, layer=layer, pages_Bn=table_BM[:, :n],
+                                pos_B=pos_B, S=S) for n in widths]
+  return jax.lax.switch(branch, branches, q_BNH)
 
-  return jax.lax.switch(branch, [attend(n) for n in widths], q_BNH)
+
+def _read_by_head(q_BNH, k_LPSKH, v_LPSKH, layer: int, pages_Bn, pos_B, S: int):
+  """The bucketed read over pages `pages_Bn`, the kv head a batch dimension of both dots."""
+  B, N, H = q_BNH.shape
+  n, K = pages_Bn.shape[1], k_LPSKH.shape[3]
+  k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
+  v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
+  mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
+  q_BKGH = q_BNH.reshape(B, K, N // K, H)
+  logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
+  logits_BKGW = jnp.where(mask_BW[:, None, None, :], logits_BKGW, _MASKED)
+  p_BKGW = jnp.where(mask_BW[:, None, None, :], jnp.exp(logits_BKGW - logits_BKGW.max(-1, keepdims=True)), 0.0)
+  l_BKG = p_BKGW.sum(-1)
+  out_BKGH = jnp.einsum("BKGW,BWKH->BKGH", p_BKGW.astype(v_BWKH.dtype), v_BWKH, preferred_element_type=jnp.float32)
+  out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
+  return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
 
 
 # The bucketed read folds the KV-head axis into the key axis: a gathered [B, n, S, K, H] block is read as
@@ -225,6 +225,13 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
 # attention FLOPs would rival the weights' at long contexts); never where KV heads are split over `tensor`:
 # merging a split axis into the key axis makes GSPMD all-gather each layer's gathered block (batch x width)
 # across devices at every step.
+
+
+def _read_folded(q_BNH, k_LPSKH, v_LPSKH, layer: int, pages_Bn, pos_B, S: int):
+  """The bucketed read over pages `pages_Bn`, KV heads folded into the key axis."""
+  k_BTH = _gather_folded(k_LPSKH, layer, pages_Bn, q_BNH.dtype)
+  v_BTH = _gather_folded(v_LPSKH, layer, pages_Bn, q_BNH.dtype)
+  return _attend_folded(q_BNH, k_BTH, v_BTH, _folded_mask(q_BNH, pages_Bn, pos_B, k_LPSKH.shape[3], S))
 
 
 def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
