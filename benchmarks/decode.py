@@ -54,6 +54,7 @@ import datetime
 import json
 import math
 import statistics
+import sys
 import time
 
 import jax
@@ -167,13 +168,19 @@ def dense_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, samp
 def timed(runs: dict, repeats: int) -> dict:
   """Each run once untimed (compiles every shape), then `repeats` rounds timing every run in turn, so
   load from other processes hits all of them alike: {name: (median wall_s, all walls, last result)}."""
-  results = {name: once() for name, once in runs.items()}
+  results = {}
+  for name, once in runs.items():
+    t0 = time.perf_counter()
+    results[name] = once()
+    print(f"[decode] {name}: warm-up (compiles) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   walls = {name: [] for name in runs}
-  for _ in range(repeats):
+  for rep in range(repeats):
     for name, once in runs.items():
       t0 = time.perf_counter()
       results[name] = once()
       walls[name].append(time.perf_counter() - t0)
+    print(f"[decode] round {rep + 1}/{repeats}: " + ", ".join(f"{n} {w[-1]:.2f} s" for n, w in walls.items()),
+          file=sys.stderr, flush=True)
   return {name: (statistics.median(walls[name]), walls[name], results[name]) for name in runs}
 
 
@@ -226,7 +233,8 @@ def main():
   on_gpu = jax.default_backend() == "gpu"
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workload", default="longtail", choices=["longtail", "fixed", "pool"])
-  parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="longtail: the model")
+  parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                      help="the model (default: longtail tiny; fixed and pool the Llama-3-shaped model above)")
   parser.add_argument("--batches", default=None, help="comma-separated batch sizes (decode slots / dense rows); "
                       "default longtail 1,4,16 (GPU 1,4,16,64,256), fixed 8,32")
   parser.add_argument("--impl", default="dense,paged", help="comma-separated: dense, paged (its default read), "
@@ -260,7 +268,8 @@ def main():
   args.repeats = args.repeats or (20 if args.workload == "fixed" else 3)
   args.batches = args.batches or ("8,32" if fixed else "1,4,16,64,256" if on_gpu else "1,4,16")
 
-  cfg = FIXED_MODEL if fixed else get_preset(args.preset)
+  args.preset = args.preset or ("llama3-4l-256" if fixed else "tiny")
+  cfg = FIXED_MODEL if args.preset == "llama3-4l-256" else get_preset(args.preset)
   cfg = dataclasses.replace(cfg, **({"dtype": args.dtype} if args.dtype else {}))
   graphdef, params = init_params(cfg, jax.random.key(args.seed))
   params = jax.block_until_ready(jax.jit(lambda p: cast_params(p, jnp.dtype(cfg.dtype)))(params))
@@ -272,7 +281,7 @@ def main():
   common = {
       "bench": "decode", "workload": args.workload, "device": jax.devices()[0].device_kind,
       "backend": jax.default_backend(), "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-      "preset": "llama3-4l-256" if fixed else args.preset, "params": num_params(cfg), "dtype": cfg.dtype,
+      "preset": args.preset, "params": num_params(cfg), "dtype": cfg.dtype,
       "weight_bytes": w_bytes, "kv_bytes_per_token": per_tok, "prompt_len": args.prompt_len,
       "page_size": args.page_size, "copy_gbps": bw,
   }

@@ -247,4 +247,30 @@ def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   cfg = dataclasses.replace(CFG, n_heads=16, n_kv_heads=1, head_dim=16)  # shapes the GPU kernel accepts
   assert resolve_impl("auto", cfg, 16, backend="gpu") == "pallas"
   assert resolve_impl("auto", cfg, 16, backend="cpu") == "bucketed"
-  assert resolve_impl("auto", dataclasses.replace(cfg, n_kv_heads=2), 16, backend="gpu") == "bucketed"  # G = 8
+  qwen_group = dataclasses.replace(cfg, n_heads=14, n_kv_heads=2)  # G = 7: query rows padded to 16
+  assert resolve_impl("auto", qwen_group, 16, backend="gpu") == "pallas"
+  assert resolve_impl("auto", cfg, 12, backend="gpu") == "bucketed"  # pages of 12 slots: not a power of two
+  assert resolve_impl("auto", dataclasses.replace(cfg, head_dim=8), 16, backend="gpu") == "bucketed"  # H < 16
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol):
+  """Qwen2.5's grouping (14 query heads over 2 KV heads, G = 7, run as 16 padded rows), ragged rows and an
+  idle one, in the pool's dtype: fp32 at full precision, bf16 operands with fp32 accumulation."""
+  from jaxrl_topo.rollout.pallas_paged import decode_attention
+
+  rng = np.random.default_rng(7)
+  N, K, H, S, M = 14, 2, 16, 4, 5
+  lengths = np.array([1, 9, 20, 0])  # 0: an idle slot (position -1)
+  table = _shuffled_table(rng, -(-lengths // S), 24, M)
+  k_pool = rng.normal(size=(2, 24, S, K, H)).astype(np.float32)
+  v_pool = rng.normal(size=(2, 24, S, K, H)).astype(np.float32)
+  q = rng.normal(size=(4, N, H)).astype(np.float32)
+  cast = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
+  got = decode_attention(cast(q), cast(k_pool), cast(v_pool), jnp.asarray(table), jnp.asarray(lengths - 1, jnp.int32),
+                         layer=1, page_size=S)
+  assert got.dtype == dtype and got.shape == (4, N, H)
+  exact = lambda x: np.asarray(cast(x).astype(jnp.float32), np.float64)  # noqa: E731  (the inputs the kernel saw)
+  want = _numpy_attention(exact(q)[:3], exact(k_pool)[1], exact(v_pool)[1], table[:3], lengths[:3] - 1)
+  np.testing.assert_allclose(np.asarray(got[:3], np.float32), want, atol=atol, rtol=0)
+  np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)

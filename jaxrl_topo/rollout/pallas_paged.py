@@ -7,9 +7,13 @@ A row with pos < 0 (an idle slot) makes no trips and returns zeros. Keys past po
 Alphabet as in paged.py: L layers, P pages, S slots per page, K KV heads, G query heads per KV head,
 H head dim, B rows, M pages per row.
 
-On GPU (Triton lowering) the block dims must be powers of two and G, S, H large enough for `tl.dot`
-(>= 16); `supported` checks that, and the engine falls back to the XLA path otherwise. On CPU the
-kernel runs in Pallas interpret mode, which is how tests check it against the reference read.
+On GPU (Triton lowering) the block dims must be powers of two and large enough for `tl.dot` (>= 16).
+The query heads of a group are padded with zero rows to Gp = max(16, next power of two of G) (Qwen2.5's
+G = 7 runs as 16 rows; decode attention is bound by reading K/V, not by these rows' FLOPs) and sliced
+off after; S and H must be powers of two >= 16 themselves, which `supported` checks, the engine falling
+back to the XLA path otherwise. The dots take the pool's dtype (bf16 operands, fp32 accumulation; fp32
+at full precision, never tf32, so fp32 log-probs stay within 1e-5 of the trainer's). On CPU the kernel
+runs in Pallas interpret mode, which is how tests check it against the reference read.
 """
 
 from __future__ import annotations
@@ -35,34 +39,44 @@ def supported(cfg, page_size: int, backend: str | None = None) -> bool:
   if backend != "gpu":
     return True
   pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
-  G = cfg.n_heads // cfg.n_kv_heads
-  return pow2(G) and pow2(page_size) and pow2(cfg.head_dim)
+  return pow2(page_size) and pow2(cfg.head_dim)
+
+
+def padded_group(G: int) -> int:
+  """Query rows per program: G padded to a power of two >= 16 (the smallest `tl.dot` operand)."""
+  return max(16, 1 << (G - 1).bit_length())
 
 
 def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_size: int):
   b, kh = pl.program_id(0), pl.program_id(1)
   S = page_size
   pos = pos_ref[b]
-  q_GH = q_ref[...].astype(jnp.float32)
+  q_GH = q_ref[...]
   G, H = q_GH.shape
   n_pages = jnp.where(pos >= 0, pos // S + 1, 0)
 
   def trip(j, carry):
     m_G, l_G, acc_GH = carry
     page = jnp.maximum(table_ref[b, j], 0)
-    k_SH = k_ref[layer, page, :, kh, :].astype(jnp.float32)
-    v_SH = v_ref[layer, page, :, kh, :].astype(jnp.float32)
-    s_GS = jnp.dot(q_GH, k_SH.T) * H**-0.5
+    k_SH = k_ref[layer, page, :, kh, :]
+    v_SH = v_ref[layer, page, :, kh, :]
+    s_GS = _dot(q_GH.astype(k_SH.dtype), k_SH.T) * H**-0.5
     keep_S = j * S + jnp.arange(S) <= pos
     s_GS = jnp.where(keep_S[None, :], s_GS, _MASKED)
     m_new_G = jnp.maximum(m_G, s_GS.max(axis=1))
     p_GS = jnp.where(keep_S[None, :], jnp.exp(s_GS - m_new_G[:, None]), 0.0)
     scale_G = jnp.exp(m_G - m_new_G)
-    return m_new_G, l_G * scale_G + p_GS.sum(axis=1), acc_GH * scale_G[:, None] + jnp.dot(p_GS, v_SH)
+    return m_new_G, l_G * scale_G + p_GS.sum(axis=1), acc_GH * scale_G[:, None] + _dot(p_GS.astype(v_SH.dtype), v_SH)
 
   init = (jnp.full((G,), _MASKED, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
   _, l_G, acc_GH = jax.lax.fori_loop(0, n_pages, trip, init)
   o_ref[...] = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _dot(a, b):
+  """a @ b with fp32 accumulation; fp32 operands at full precision (no tf32)."""
+  return jnp.dot(a, b, preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret"))
@@ -72,19 +86,20 @@ def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, pa
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
   G = N // K
+  Gp = padded_group(G)
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  q_BKGH = q_BNH.reshape(B, K, G, H)
+  q_BKGH = jnp.pad(q_BNH.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
-  row_head = pl.BlockSpec((None, None, G, H), lambda b, k: (b, k, 0, 0))
+  row_head = pl.BlockSpec((None, None, Gp, H), lambda b, k: (b, k, 0, 0))
   out_BKGH = pl.pallas_call(
       functools.partial(_kernel, layer=layer, page_size=page_size),
-      out_shape=jax.ShapeDtypeStruct((B, K, G, H), q_BNH.dtype),
+      out_shape=jax.ShapeDtypeStruct((B, K, Gp, H), q_BNH.dtype),
       grid=(B, K),
       in_specs=[whole(table_BM), whole(pos_B), row_head, whole(k_LPSKH), whole(v_LPSKH)],
       out_specs=row_head,
       interpret=interpret,
   )(table_BM, pos_B, q_BKGH, k_LPSKH, v_LPSKH)
-  return out_BKGH.reshape(B, N, H)
+  return out_BKGH[:, :, :G].reshape(B, N, H)
 
 
 def resolve_impl(impl: str, cfg, page_size: int, backend: str | None = None) -> str:
