@@ -7,8 +7,9 @@ JSON lines out, one per check:
   kernel   max |kernel - float64 reference| over ragged rows and an idle one, per (N, K, H, S, dtype);
            the idle row must be exactly 0.
   read     one layer's decode read at the Qwen2.5-0.5B shape (14 query / 2 KV heads, head_dim 64, pages of 16),
-           bf16 pool, B rows of lognormal contexts (median `--median_ctx`): median µs of the kernel and of the
-           bucketed XLA read, and GB/s of the K/V bytes the rows actually hold (what an ideal read touches).
+           bf16 pool, B rows of lognormal contexts (median `--median_ctx`): median µs of the bucketed XLA read and
+           of the kernel at 1, 2, 4 and 8 pages per loop trip (`pallas:C`), and GB/s of the K/V bytes the rows
+           actually hold (what an ideal read touches).
   engine   RolloutEngine(impl=pallas / bucketed) greedy on the tiny preset (fp32) against generate_dense:
            tokens equal, max |Δ log-prob|.
 """
@@ -33,6 +34,8 @@ from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.paged import _decode_bucketed
 from jaxrl_topo.rollout.pallas_paged import decode_attention
 from jaxrl_topo.rollout.sampling import SamplingConfig
+
+PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
 
 
 def emit(**row):
@@ -106,15 +109,17 @@ def check_read(rng, batch, median_ctx):
   q, k, v, table = ragged_pool(rng, lengths, N, K, H, S, L=1)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   table, pos = jnp.asarray(table), jnp.asarray(lengths - 1, jnp.int32)
-  kernel = jax.jit(lambda *a: decode_attention(*a, layer=0, page_size=S))
   xla = jax.jit(lambda q, k, v, t, p: _decode_bucketed(q, k, v, 0, t, p, S, fold_heads=False))
-  err = float(jnp.abs(kernel(q, k, v, table, pos).astype(jnp.float32)
-                      - xla(q, k, v, table, pos).astype(jnp.float32)).max())
+  reads = {"bucketed": xla}
+  for C in PAGES_PER_TRIP_SWEEP:
+    reads[f"pallas:{C}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, pages_per_trip=C))
+  want = xla(q, k, v, table, pos).astype(jnp.float32)
   useful = float(lengths.sum()) * 2 * K * H * 2  # K and V, bf16
-  for name, f in (("pallas", kernel), ("bucketed", xla)):
+  for name, f in reads.items():
+    err = float(jnp.abs(f(q, k, v, table, pos).astype(jnp.float32) - want).max())
     s = timed(f, q, k, v, table, pos)
     emit(check="read", impl=name, batch=batch, median_ctx=median_ctx, max_ctx=int(lengths.max()), us=s * 1e6,
-         useful_gbps=useful / s / 1e9, max_abs_diff_vs_other=err)
+         useful_gbps=useful / s / 1e9, max_abs_diff_vs_bucketed=err)
 
 
 def check_engine():

@@ -1,7 +1,8 @@
 """Decode attention over the paged pool as one Pallas kernel: pages are read in place, no gather copy.
 
 Grid (B rows, K KV heads). Program (b, k) walks row b's pages 0 .. pos_b // S through the page table
-(one page of S keys per trip, read straight out of the [L, P, S, K, H] pool at (layer, page, :, k, :)),
+(C = `pages_per_trip` pages of S keys per trip, each read straight out of the [L, P, S, K, H] pool at
+(layer, page, :, k, :)),
 keeping an online (flash-style) fp32 softmax for the G = N / K query heads that share KV head k.
 A row with pos < 0 (an idle slot) makes no trips and returns zeros. Keys past pos are masked.
 Alphabet as in paged.py: L layers, P pages, S slots per page, K KV heads, G query heads per KV head,
@@ -29,6 +30,7 @@ except ImportError:  # pragma: no cover  (an install without Pallas: "auto" pick
   pl = None
 
 _MASKED = -1e30
+PAGES_PER_TRIP = 4  # pages one loop trip reads (benchmarks/pallas_check.py measures 1, 2, 4, 8)
 
 
 def supported(cfg, page_size: int, backend: str | None = None) -> bool:
@@ -47,29 +49,33 @@ def padded_group(G: int) -> int:
   return max(16, 1 << (G - 1).bit_length())
 
 
-def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_size: int):
+def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_size: int, pages_per_trip: int):
   b, kh = pl.program_id(0), pl.program_id(1)
-  S = page_size
+  S, C, M = page_size, pages_per_trip, table_ref.shape[1]
   pos = pos_ref[b]
   q_GH = q_ref[...]
   G, H = q_GH.shape
-  n_pages = jnp.where(pos >= 0, pos // S + 1, 0)
+  n_trips = jnp.where(pos >= 0, (pos // S) // C + 1, 0)
 
   def trip(j, carry):
+    # C pages per trip, unrolled: their table entries and K/V loads are independent, so the GPU has C pages'
+    # loads in flight at once instead of one (a trip is two dependent memory round trips: table, then page).
     m_G, l_G, acc_GH = carry
-    page = jnp.maximum(table_ref[b, j], 0)
-    k_SH = k_ref[layer, page, :, kh, :]
-    v_SH = v_ref[layer, page, :, kh, :]
-    s_GS = _dot(q_GH.astype(k_SH.dtype), k_SH.T) * H**-0.5
-    keep_S = j * S + jnp.arange(S) <= pos
-    s_GS = jnp.where(keep_S[None, :], s_GS, _MASKED)
-    m_new_G = jnp.maximum(m_G, s_GS.max(axis=1))
-    p_GS = jnp.where(keep_S[None, :], jnp.exp(s_GS - m_new_G[:, None]), 0.0)
+    pages = [jnp.maximum(table_ref[b, jnp.minimum(j * C + c, M - 1)], 0) for c in range(C)]
+    k_SH = [k_ref[layer, page, :, kh, :] for page in pages]
+    v_SH = [v_ref[layer, page, :, kh, :] for page in pages]
+    keep_S = [(j * C + c) * S + jnp.arange(S) <= pos for c in range(C)]  # masks pages past pos (and past M)
+    s_GS = [jnp.where(keep[None, :], _dot(q_GH.astype(k.dtype), k.T) * H**-0.5, _MASKED)
+            for k, keep in zip(k_SH, keep_S, strict=True)]
+    m_new_G = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_GS], m_G)
+    p_GS = [jnp.where(keep[None, :], jnp.exp(s - m_new_G[:, None]), 0.0) for s, keep in zip(s_GS, keep_S, strict=True)]
     scale_G = jnp.exp(m_G - m_new_G)
-    return m_new_G, l_G * scale_G + p_GS.sum(axis=1), acc_GH * scale_G[:, None] + _dot(p_GS.astype(v_SH.dtype), v_SH)
+    l_new_G = l_G * scale_G + sum(p.sum(axis=1) for p in p_GS)
+    acc_GH = acc_GH * scale_G[:, None] + sum(_dot(p.astype(v.dtype), v) for p, v in zip(p_GS, v_SH, strict=True))
+    return m_new_G, l_new_G, acc_GH
 
   init = (jnp.full((G,), _MASKED, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
-  _, l_G, acc_GH = jax.lax.fori_loop(0, n_pages, trip, init)
+  _, l_G, acc_GH = jax.lax.fori_loop(0, n_trips, trip, init)
   o_ref[...] = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
 
 
@@ -79,9 +85,9 @@ def _dot(a, b):
                  precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip"))
 def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, page_size: int,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, pages_per_trip: int = PAGES_PER_TRIP):
   """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros)."""
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
@@ -92,7 +98,7 @@ def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, pa
   whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
   row_head = pl.BlockSpec((None, None, Gp, H), lambda b, k: (b, k, 0, 0))
   out_BKGH = pl.pallas_call(
-      functools.partial(_kernel, layer=layer, page_size=page_size),
+      functools.partial(_kernel, layer=layer, page_size=page_size, pages_per_trip=pages_per_trip),
       out_shape=jax.ShapeDtypeStruct((B, K, Gp, H), q_BNH.dtype),
       grid=(B, K),
       in_specs=[whole(table_BM), whole(pos_B), row_head, whole(k_LPSKH), whole(v_LPSKH)],
