@@ -3,9 +3,13 @@
   python benchmarks/decode.py                      # long-tail workload, tiny preset; on CPU batches 1,4,16
   python benchmarks/decode.py --workload=fixed     # fixed-length workload (issue 12), batches 8,32
   python benchmarks/decode.py --workload=pool      # one decode chunk's step time vs pool size and context
-  python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
-      --prompt_len=128 --kv_budget_gb=40 --impl=dense,paged:pallas,paged:bucketed
+  python benchmarks/decode.py --workload=fixed --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 \
+      --prompt_len=128 --new_tokens=256 --repeats=5 --impl=dense,paged:pallas,paged:bucketed
                         # the H100 target (MBU >= 60% at batch 256), the Pallas kernel and the XLA read side by side
+                        # (measured in RESULTS.md; about 2 minutes on an H100, most of it compiling)
+  python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
+      --prompt_len=128 --kv_budget_gb=40 --impl=dense,paged:pallas --repeats=1
+                        # the same on the long-tail workload (allow several minutes: one compile per live-row bucket)
 
 Workload, per batch size B: `--n_seqs` (default 2B) prompts of `--prompt_len` random tokens, and for each a
 completion length drawn from a lognormal with median `--median_len` and log-sd `--sigma`, rounded, clipped to
@@ -17,8 +21,9 @@ implementations do the same useful work whatever the (random-weight) model emits
   dense  generate_dense (the reference decoder) over consecutive batches of B sequences; each batch decodes to its
          longest length (that is what a dense batch with EOS does). Its cache is sized prompt + that longest length,
          not prompt + cap, which flatters dense a little (a real run allocates and reads for the cap).
-Fixed-length workload (`--workload=fixed`): the Llama-3-shaped model below (random init, fp32, untied), B prompts
-of 32 random tokens, exactly 64 new tokens each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
+Fixed-length workload (`--workload=fixed`): the Llama-3-shaped model below (random init, fp32, untied; `--preset`
+swaps in another shape), B prompts of `--prompt_len` (32) random tokens, exactly `--new_tokens` (64) new tokens
+each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
 median of `--repeats` (20) after a warm-up. paged = RolloutEngine with B slots; dense = one generate_dense call.
 Pool workload (`--workload=pool`): the same model, B = 8 slots prefilled to `--contexts` tokens, then one decode chunk
 timed (median of `--repeats`, a fresh prefill before each); one line per (pool pages, context): `step_s` = chunk / K,

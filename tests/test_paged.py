@@ -253,10 +253,12 @@ def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   assert resolve_impl("auto", dataclasses.replace(cfg, head_dim=8), 16, backend="gpu") == "bucketed"  # H < 16
 
 
-@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol):
+@pytest.mark.parametrize("dtype, atol, pages_per_trip", [(jnp.float32, 2e-5, None), (jnp.bfloat16, 3e-2, None),
+                                                         (jnp.float32, 2e-5, 1), (jnp.float32, 2e-5, 3)])
+def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, pages_per_trip):
   """Qwen2.5's grouping (14 query heads over 2 KV heads, G = 7, run as 16 padded rows), ragged rows and an
-  idle one, in the pool's dtype: fp32 at full precision, bf16 operands with fp32 accumulation."""
+  idle one, in the pool's dtype: fp32 at full precision, bf16 operands with fp32 accumulation. Pages per
+  loop trip: the default (8 here), 1, and 3 (rows of 5 table entries: the last trip runs past the table)."""
   from jaxrl_topo.rollout.pallas_paged import decode_attention
 
   rng = np.random.default_rng(7)
@@ -268,7 +270,7 @@ def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol):
   q = rng.normal(size=(4, N, H)).astype(np.float32)
   cast = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
   got = decode_attention(cast(q), cast(k_pool), cast(v_pool), jnp.asarray(table), jnp.asarray(lengths - 1, jnp.int32),
-                         layer=1, page_size=S)
+                         layer=1, page_size=S, pages_per_trip=pages_per_trip)
   assert got.dtype == dtype and got.shape == (4, N, H)
   exact = lambda x: np.asarray(cast(x).astype(jnp.float32), np.float64)  # noqa: E731  (the inputs the kernel saw)
   want = _numpy_attention(exact(q)[:3], exact(k_pool)[1], exact(v_pool)[1], table[:3], lengths[:3] - 1)

@@ -30,7 +30,11 @@ except ImportError:  # pragma: no cover  (an install without Pallas: "auto" pick
   pl = None
 
 _MASKED = -1e30
-PAGES_PER_TRIP = 4  # pages one loop trip reads (benchmarks/pallas_check.py measures 1, 2, 4, 8)
+# Keys one loop trip reads x head dim. 8 pages of 16 slots at head_dim 64 (Qwen2.5-0.5B) measured fastest of
+# C = 1, 2, 4, 8 pages per trip on an H100 (benchmarks/RESULTS.md: one layer's read at batch 256, 192 / 204 / 254 /
+# 316 µs at median context 256 for C = 8 / 4 / 2 / 1). Larger pages or heads take fewer pages per trip, so a trip's
+# K and V blocks (which live in registers) stay that size; that scaling is a rule, not a measurement.
+TRIP_ELEMENTS = 8 * 16 * 64
 
 
 def supported(cfg, page_size: int, backend: str | None = None) -> bool:
@@ -87,12 +91,13 @@ def _dot(a, b):
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip"))
 def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, page_size: int,
-                     interpret: bool | None = None, pages_per_trip: int = PAGES_PER_TRIP):
+                     interpret: bool | None = None, pages_per_trip: int | None = None):
   """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros)."""
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
   G = N // K
   Gp = padded_group(G)
+  pages_per_trip = pages_per_trip or max(1, min(8, TRIP_ELEMENTS // (page_size * H)))
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   q_BKGH = jnp.pad(q_BNH.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
