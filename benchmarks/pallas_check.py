@@ -10,11 +10,15 @@ JSON lines out, one per check:
            bf16 pool, B rows of lognormal contexts (median `--median_ctx`): median µs of the bucketed XLA read and
            of the kernel at 1, 2, 4 and 8 pages per loop trip (`pallas:C`), and GB/s of the K/V bytes the rows
            actually hold (what an ideal read touches).
-  engine   RolloutEngine(impl=pallas / bucketed) greedy on the tiny preset (fp32) against generate_dense:
-           tokens equal, max |Δ log-prob|.
+  engine   RolloutEngine(impl=pallas / bucketed / auto) greedy on the tiny preset (fp32) against generate_dense,
+           at matmul precision "highest" (log-probs within 1e-5 expected) and "default" (TF32 on a GPU): tokens
+           equal, max |Δ log-prob|, and the read "auto" resolved to.
+  parts    at `--parts_preset` (bf16) and the last of `--batches`: the LM head and full-vocabulary sampling
+           (temperature 1, greedy), median ms, next to the weights' read time at the copy bandwidth.
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -26,6 +30,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl_topo.models.model import init_params
 from jaxrl_topo.models.presets import get_preset
@@ -33,7 +38,7 @@ from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.paged import _decode_bucketed
 from jaxrl_topo.rollout.pallas_paged import decode_attention
-from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
 
 PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
 
@@ -122,7 +127,10 @@ def check_read(rng, batch, median_ctx):
          useful_gbps=useful / s / 1e9, max_abs_diff_vs_bucketed=err)
 
 
-def check_engine():
+def check_engine(precision: str):
+  """Greedy through the engine (kernel, XLA read, and what "auto" picks) against generate_dense, all under
+  `jax.default_matmul_precision(precision)`: at "highest" the fp32 log-probs must agree within 1e-5 (the
+  invariant the CPU tests hold); at "default" a GPU runs the model's fp32 matmuls in TF32."""
   cfg = get_preset("tiny")
   graphdef, params = init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(1)
@@ -132,26 +140,55 @@ def check_engine():
   for r, p in enumerate(prompts):
     rows[r, : len(p)] = p
   lens = np.asarray([len(p) for p in prompts], np.int32)
-  toks, lps, n, _ = jax.device_get(generate_dense(graphdef, params, rows, lens, np.arange(len(prompts), dtype=np.int32),
-                                                  jax.random.key(0), decode=DecodeConfig(max_new_tokens=24,
-                                                                                         sampling=greedy, eos_ids=())))
-  want = [(toks[r, : n[r]].tolist(), lps[r, : n[r]]) for r in range(len(prompts))]
-  for impl in ("pallas", "bucketed"):
-    ecfg = EngineConfig(n_slots=8, page_size=16, n_pages=64, max_len=128, impl=impl, sampling=greedy, eos_ids=())
-    eng = RolloutEngine(graphdef, cfg, params, ecfg, seed=0)
-    got = eng.run([Request(p, max_new_tokens=24) for p in prompts])
-    diff = max(float(np.abs(np.subtract(g.logprobs, w[1])).max()) for g, w in zip(got, want, strict=True))
-    emit(check="engine", impl=eng.impl, tokens_equal=[g.tokens for g in got] == [w[0] for w in want],
-         max_logprob_diff=diff)
+  with jax.default_matmul_precision(precision):
+    toks, lps, n, _ = jax.device_get(generate_dense(
+        graphdef, params, rows, lens, np.arange(len(prompts), dtype=np.int32), jax.random.key(0),
+        decode=DecodeConfig(max_new_tokens=24, sampling=greedy, eos_ids=())))
+    want = [(toks[r, : n[r]].tolist(), lps[r, : n[r]]) for r in range(len(prompts))]
+    for impl in ("pallas", "bucketed", "auto"):
+      ecfg = EngineConfig(n_slots=8, page_size=16, n_pages=64, max_len=128, impl=impl, sampling=greedy, eos_ids=())
+      eng = RolloutEngine(graphdef, cfg, params, ecfg, seed=0)
+      got = eng.run([Request(p, max_new_tokens=24) for p in prompts])
+      diff = max(float(np.abs(np.subtract(g.logprobs, w[1])).max()) for g, w in zip(got, want, strict=True))
+      emit(check="engine", precision=precision, impl=impl, resolved=eng.impl,
+           tokens_equal=[g.tokens for g in got] == [w[0] for w in want], max_logprob_diff=diff)
+
+
+def check_parts(batch: int, preset: str):
+  """What a decode step spends outside attention, at `preset` in bf16 with `batch` rows: the LM head
+  (hidden -> logits) and sampling over the full vocabulary (temperature 1 and greedy), median ms each,
+  next to the time the weights take to read once at the copy bandwidth (the step's floor without KV)."""
+  cfg = dataclasses.replace(get_preset(preset), dtype="bfloat16")
+  graphdef, params = init_params(cfg, jax.random.key(0))
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  x = jnp.ones((2**28,), jnp.float32)  # 1 GiB
+  copy = timed(jax.jit(lambda x: x + 1), x, repeats=10)
+  del x
+  h = jax.random.normal(jax.random.key(1), (batch, 1, cfg.d_model), jnp.bfloat16)
+  logits = jax.random.normal(jax.random.key(2), (batch, cfg.vocab_size), jnp.float32) * 3
+  keys = sequence_keys(jax.random.key(3), jnp.arange(batch), jnp.full((batch,), 7))
+  head = jax.jit(lambda p, h: nnx.merge(graphdef, p).logits(h))
+  parts = {"lm_head": (head, params, h),
+           "sample_t1": (jax.jit(lambda l, k: sample_tokens(l, k, SamplingConfig(temperature=1.0))), logits, keys),
+           "sample_greedy": (jax.jit(lambda l, k: sample_tokens(l, k, SamplingConfig(greedy=True))), logits, keys)}
+  copy_gbps = 2 * 2**30 / copy / 1e9
+  row = {"weights_at_copy_ms": weight_bytes / (copy_gbps * 1e9) * 1e3, "copy_gbps": copy_gbps}
+  for name, (f, *args) in parts.items():
+    row[f"{name}_ms"] = timed(f, *args, repeats=20) * 1e3
+  emit(check="parts", preset=preset, batch=batch, vocab=cfg.vocab_size, weight_bytes=weight_bytes, **row)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", default="256", help="read: comma-separated row counts")
   parser.add_argument("--median_ctx", default="384", help="read: comma-separated median contexts")
+  parser.add_argument("--parts_preset", default="qwen2.5-0.5b", help="parts: the model shape (bf16)")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
-  checks = [("kernel", functools.partial(check_kernel, rng)), ("engine", check_engine)]
+  checks = [("kernel", functools.partial(check_kernel, rng)), ("engine", functools.partial(check_engine, "highest")),
+            ("engine", functools.partial(check_engine, "default")),
+            ("parts", functools.partial(check_parts, int(args.batches.split(",")[-1]), args.parts_preset))]
   checks += [("read", functools.partial(check_read, rng, int(b), int(c)))
              for b in args.batches.split(",") for c in args.median_ctx.split(",")]
   failed = 0
