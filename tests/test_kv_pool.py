@@ -373,3 +373,29 @@ def test_admit_group_puts_a_whole_group_in_one_shard():
 def test_shard_counts_must_divide_the_pool():
   with pytest.raises(ValueError, match="n_pages=10 and n_slots=4 must be multiples of the data shards"):
     PagePool(n_pages=10, page_size=4, n_slots=4, max_pages_per_seq=3, n_shards=4)
+
+
+def test_a_prefill_wave_of_new_prompts_sends_only_the_pages_its_bucket_can_touch():
+  """uploads.prefill_arrays: a wave of new prompts (start 0) in bucket T gets ceil(T / S) page columns rounded
+  up to a power of two (its attention then costs T x T, not T x max_len); a wave that continues a slot
+  (start > 0) attends to its earlier positions and gets all M. The pages it keeps are the prompt's own."""
+  from jaxrl_topo.rollout import uploads
+  from jaxrl_topo.rollout.host_state import _Wave
+
+  pool = PagePool(n_pages=80, page_size=16, n_slots=2, max_pages_per_seq=34)
+  table = np.arange(34, dtype=np.int32) + 3
+
+  def wave(n_prompt, start=0):
+    return _Wave(prompt_ids=[1] * n_prompt, slots=[0], seq_ids=[0], max_new_tokens=4, stop_ids=(), copies=[],
+                 table_M=table, later=[], start=start)
+
+  def width(waves, T):
+    arrays, _ = uploads.prefill_arrays(pool, waves, T, 0, 2, np.zeros(2, np.int64), 0)
+    return arrays[3]  # table_GM
+
+  np.testing.assert_array_equal(width([wave(20)], 32), table[None, :2])  # 32 tokens: 2 pages of 16
+  assert width([wave(40)], 64).shape[1] == 4
+  assert width([wave(40)], 48).shape[1] == 4  # 3 pages, rounded up to a power of two
+  assert width([wave(500)], 512).shape[1] == 32
+  assert width([wave(530)], 544).shape[1] == 34  # never past M
+  assert width([wave(20), wave(8, start=30)], 32).shape[1] == 34  # a continuation: every page

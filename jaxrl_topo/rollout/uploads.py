@@ -54,6 +54,18 @@ def _part_size(waves: Sequence[_Wave], shard_w: Sequence[int], n_shards: int, co
   return max(per)
 
 
+def prefill_width(pool: PagePool, waves: Sequence[_Wave], T: int) -> int:
+  """Page-table columns a prefill wave of bucket T attends over. New prompts (start 0) see only their own
+  T positions, so ceil(T / S) pages rounded up to a power of two (one width per bucket, so no extra compiles)
+  instead of all M: the prefill's attention then costs T x T, not T x max_len (Qwen2.5 prompts of 128 tokens
+  in 2,176-token slots read 8 pages, not 136). A wave that continues a slot (an episode's next turn,
+  start > 0) attends to its earlier positions too and keeps all M."""
+  M = pool.max_pages_per_seq
+  if any(w.start for w in waves):
+    return M
+  return min(M, _pow2(-(-T // pool.page_size)))
+
+
 def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, n_stop_ids: int, epoch_B, gen_id: int):
   """The row arrays of `device.prefill` for one prompt-length bucket T, and rows: {sample row n: (slot
   or n_slots (no slot yet), slot epoch or (seq id, pin id), gen_id)} to read its first token back."""
@@ -65,7 +77,7 @@ def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, 
   Cd = _pow2(max(1, _part_size(waves, shard_w, D, lambda w: len(w.copies))))
   tokens_GT, lengths_G = np.full((D * Gd, T), pad_id, np.int32), np.ones((D * Gd,), np.int32)
   start_G = np.zeros((D * Gd,), np.int32)
-  table_GM = np.full((D * Gd, pool.max_pages_per_seq), -1, np.int32)
+  table_GM = np.full((D * Gd, prefill_width(pool, waves, T)), -1, np.int32)
   src_C, dst_C = np.zeros((D * Cd,), np.int32), np.full((D * Cd,), pool.n_pages, np.int32)
   prompt_N, slot_N = np.zeros((D * Nd,), np.int32), np.full((D * Nd,), Bd, np.int32)
   seq_N, left_N = np.zeros((2, D * Nd), np.int32)
@@ -75,7 +87,8 @@ def prefill_arrays(pool: PagePool, waves: Sequence[_Wave], T: int, pad_id: int, 
   c_rows = iter(_rows_in_parts([d for w, d in zip(waves, shard_w, strict=True) for _ in w.copies], Cd))
   rows = {}
   for w, d, g in zip(waves, shard_w, g_w, strict=True):
-    tokens_GT[g, : len(w.prompt_ids)], lengths_G[g], table_GM[g] = w.prompt_ids, len(w.prompt_ids), w.table_M
+    tokens_GT[g, : len(w.prompt_ids)], lengths_G[g] = w.prompt_ids, len(w.prompt_ids)
+    table_GM[g] = w.table_M[: table_GM.shape[1]]
     start_G[g] = w.start
     for src, dst in w.copies:
       c = next(c_rows)
