@@ -56,10 +56,11 @@ def _part_size(waves: Sequence[_Wave], shard_w: Sequence[int], n_shards: int, co
 
 def prefill_width(pool: PagePool, waves: Sequence[_Wave], T: int) -> int:
   """Page-table columns a prefill wave of bucket T attends over. New prompts (start 0) see only their own
-  T positions, so ceil(T / S) pages rounded up to a power of two (one width per bucket, so no extra compiles)
-  instead of all M: the prefill's attention then costs T x T, not T x max_len (Qwen2.5 prompts of 128 tokens
-  in 2,176-token slots read 8 pages, not 136). A wave that continues a slot (an episode's next turn,
-  start > 0) attends to its earlier positions too and keeps all M."""
+  T positions, so ceil(T / S) pages rounded up to a power of two instead of all M: the prefill's attention
+  then costs T x T, not T x max_len (Qwen2.5 prompts of 128 tokens in 2,176-token slots read 8 pages, not
+  136). A wave that continues a slot (an episode's next turn, start > 0) attends to its earlier positions
+  too and keeps all M. So a bucket compiles once for new prompts and, in multi-turn runs, once more for
+  continuations (at most two widths per bucket; before, one)."""
   M = pool.max_pages_per_seq
   if any(w.start for w in waves):
     return M
