@@ -12,9 +12,10 @@ On GPU (Triton lowering) the block dims must be powers of two and large enough f
 The query heads of a group are padded with zero rows to Gp = max(16, next power of two of G) (Qwen2.5's
 G = 7 runs as 16 rows; decode attention is bound by reading K/V, not by these rows' FLOPs) and sliced
 off after; S and H must be powers of two >= 16 themselves, which `supported` checks, the engine falling
-back to the XLA path otherwise. The dots take the pool's dtype (bf16 operands, fp32 accumulation; fp32
-at full precision, never tf32, so fp32 log-probs stay within 1e-5 of the trainer's). On CPU the kernel
-runs in Pallas interpret mode, which is how tests check it against the reference read.
+back to the XLA path otherwise. As in the XLA reads, q.k runs in the query's dtype (K cast to it) and p.v in
+the pool's (p cast to it), with fp32 accumulation; fp32 operands at full precision, never tf32, so fp32
+log-probs stay within 1e-5 of the trainer's. On CPU the kernel runs in Pallas interpret mode, which is how
+tests check it against the reference read.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
     k_SH = [k_ref[layer, page, :, kh, :] for page in pages]
     v_SH = [v_ref[layer, page, :, kh, :] for page in pages]
     keep_S = [(j * C + c) * S + jnp.arange(S) <= pos for c in range(C)]  # masks pages past pos (and past M)
-    s_GS = [jnp.where(keep[None, :], _dot(q_GH.astype(k.dtype), k.T) * H**-0.5, _MASKED)
+    s_GS = [jnp.where(keep[None, :], _dot(q_GH, k.astype(q_GH.dtype).T) * H**-0.5, _MASKED)
             for k, keep in zip(k_SH, keep_S, strict=True)]
     m_new_G = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_GS], m_G)
     p_GS = [jnp.where(keep[None, :], jnp.exp(s - m_new_G[:, None]), 0.0) for s, keep in zip(s_GS, keep_S, strict=True)]
