@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,13 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_topo.models.model import init_params
-from jaxrl_topo.models.presets import get_preset
-from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
-from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
-from jaxrl_topo.rollout.paged import _decode_bucketed
-from jaxrl_topo.rollout.pallas_paged import decode_attention
-from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.decode import copy_gbps, weight_bytes  # noqa: E402
+from jaxrl_topo.models.model import cast_params, init_params  # noqa: E402
+from jaxrl_topo.models.presets import get_preset  # noqa: E402
+from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense  # noqa: E402
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
+from jaxrl_topo.rollout.paged import _decode_bucketed  # noqa: E402
+from jaxrl_topo.rollout.pallas_paged import decode_attention  # noqa: E402
+from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys  # noqa: E402
 
 PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
 
@@ -160,11 +165,8 @@ def check_parts(batch: int, preset: str):
   next to the time the weights take to read once at the copy bandwidth (the step's floor without KV)."""
   cfg = dataclasses.replace(get_preset(preset), dtype="bfloat16")
   graphdef, params = init_params(cfg, jax.random.key(0))
-  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  x = jnp.ones((2**28,), jnp.float32)  # 1 GiB
-  copy = timed(jax.jit(lambda x: x + 1), x, repeats=10)
-  del x
+  params = cast_params(params, jnp.bfloat16)
+  bw = copy_gbps((512 if jax.default_backend() == "gpu" else 64) * 2**20)  # decode.py's copy test and sizes
   h = jax.random.normal(jax.random.key(1), (batch, 1, cfg.d_model), jnp.bfloat16)
   logits = jax.random.normal(jax.random.key(2), (batch, cfg.vocab_size), jnp.float32) * 3
   keys = sequence_keys(jax.random.key(3), jnp.arange(batch), jnp.full((batch,), 7))
@@ -172,11 +174,11 @@ def check_parts(batch: int, preset: str):
   parts = {"lm_head": (head, params, h),
            "sample_t1": (jax.jit(lambda l, k: sample_tokens(l, k, SamplingConfig(temperature=1.0))), logits, keys),
            "sample_greedy": (jax.jit(lambda l, k: sample_tokens(l, k, SamplingConfig(greedy=True))), logits, keys)}
-  copy_gbps = 2 * 2**30 / copy / 1e9
-  row = {"weights_at_copy_ms": weight_bytes / (copy_gbps * 1e9) * 1e3, "copy_gbps": copy_gbps}
+  row = {"weights_at_copy_ms": weight_bytes(params) / (bw * 1e9) * 1e3, "copy_gbps": bw}
   for name, (f, *args) in parts.items():
     row[f"{name}_ms"] = timed(f, *args, repeats=20) * 1e3
-  emit(check="parts", preset=preset, batch=batch, vocab=cfg.vocab_size, weight_bytes=weight_bytes, **row)
+  emit(check="parts", preset=preset, batch=batch, vocab=cfg.vocab_size, weight_bytes=weight_bytes(params),
+       **row)
 
 
 def main():

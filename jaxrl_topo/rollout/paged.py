@@ -15,7 +15,7 @@ Dimension letters (those of models/layers.py, plus):
 Four read paths, chosen by the static `impl`:
   reference  gather each row's M pages into a dense [B, M*S, K, H] and call layers.gqa_attention
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
-  bucketed   (the engine's default) for decode (T == 1), one masked softmax over the first n pages of
+  bucketed   (the engine's default on CPU) for decode (T == 1), one masked softmax over the first n pages of
              every row, n = the longest row's page count rounded up to a power of two, chosen by a
              `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls;
              with `fold_heads` (the engine's choice on CPU, see below) the KV heads fold into the key axis.
