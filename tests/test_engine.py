@@ -68,8 +68,9 @@ def test_greedy_engine_matches_dense_decoder(family, tmp_path):
     np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["bucketed", "fast", "reference"])
+@pytest.mark.parametrize("impl", ["bucketed", "fast", "reference", "window"])
 def test_sampled_engine_matches_dense_decoder(tiny, impl):
+  """Rows of 2-20 prompt tokens and 12 new ones in 4-token pages: "window" grows through widths 1 to 8 pages."""
   graphdef, params = tiny
   prompts = _prompts(6, seed=2)
   got = _engine(graphdef, params, impl=impl).run([Request(p, max_new_tokens=12) for p in prompts])
@@ -77,6 +78,9 @@ def test_sampled_engine_matches_dense_decoder(tiny, impl):
                       impl="dense")
   assert [g.tokens for g in got] == [w.completion_ids for w in want]
   assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+  # 2e-5: the fp32 budget at these opinionated weights (test_engine_on_a_sharded_rollout_mesh_matches_one_device)
+  np.testing.assert_allclose(np.concatenate([g.logprobs for g in got]), np.concatenate([w.logprobs for w in want]),
+                             atol=2e-5)
 
 
 def test_sampler_logprobs_equal_trainer_logprobs():
@@ -238,8 +242,9 @@ def test_stop_strings_cut_at_the_token_that_completes_them(tiny):
 # ---------------------------------------------------------------- sharded rollout mesh
 
 
-@pytest.mark.parametrize("axes", [{"data": 4, "tensor": 2}, {"data": 2, "tensor": 2}])
-def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes):
+@pytest.mark.parametrize("axes, impl", [({"data": 4, "tensor": 2}, "auto"), ({"data": 2, "tensor": 2}, "auto"),
+                                        ({"data": 2, "tensor": 2}, "window")])
+def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl):
   from jaxrl_topo.models.model import abstract_model, param_shardings
   from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -249,7 +254,8 @@ def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes):
   requests = [Request(p, n=2, max_new_tokens=10) for p in _prompts(5, seed=15)]
   want = _engine(graphdef, params).run(requests)
   eng = RolloutEngine(graphdef, TINY, sharded, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=64,
-                                                            decode_chunk=5, sampling=SAMPLED, eos_ids=EOS), mesh=mesh)
+                                                            decode_chunk=5, sampling=SAMPLED, eos_ids=EOS,
+                                                            impl=impl), mesh=mesh)
   got = eng.run(requests)
   sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size())
   eng.run(requests[::-1])

@@ -107,7 +107,8 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
   assert eng.state.cache.fold_heads == (tensor == 1)
   hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32), np.int32(5),
                               sampling=eng.sampling, capacity=5,
-                              eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
+                              eos_ids=EOS, pad_id=0, layout=eng.layout,
+                              window_pages=eng._window_pages()).compile().as_text()
   kv = eng.state.cache.k_LPSKH
   pool_elems = int(np.prod(kv.sharding.shard_shape(kv.shape)))
   found = _collectives(hlo)
@@ -118,6 +119,25 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
     for group in _replica_groups(groups):  # mesh devices are data-major: device i is in data shard i // tensor
       assert len({i // tensor for i in group}) == 1, f"{op} of {elems} elements crosses data shards: {group}"
   assert found or tensor == 1
+
+
+@pytest.mark.parametrize("impl", ["window", "bucketed"])
+def test_a_window_chunk_gathers_pages_once_not_at_every_step(tiny, impl):
+  """impl "window": the compiled chunk gathers its rows' pages before its decode loop and never inside it; the
+  bucketed read (the check's control) gathers every layer's pages at every step."""
+  graphdef, params = tiny
+  eng = _sharded_engine(graphdef, params, None, impl=impl)
+  hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(1, np.int32), np.int32(5),
+                              sampling=eng.sampling, capacity=5, eos_ids=EOS, pad_id=0, layout=eng.layout,
+                              window_pages=4 if impl == "window" else 0).compile().as_text()
+  page = ",".join(str(d) for d in (1, 1, *eng.state.cache.k_LPSKH.shape[2:]))  # one (layer, page) of the pool
+  gathers = [re.search(r'op_name="([^"]*)"', line)[1] for line in hlo.splitlines()
+             if " gather(" in line and f"slice_sizes={{{page}}}" in line]
+  in_loop = [name for name in gathers if "/while/body/" in name]
+  if impl == "window":
+    assert len(gathers) == 2 * TINY.n_layers and not in_loop, gathers  # K and V of each layer, once
+  else:
+    assert in_loop, gathers
 
 
 @pytest.mark.parametrize("data, tensor", [(1, 1), (2, 2)])

@@ -1,5 +1,5 @@
-"""Paged KV cache: fast == bucketed (heads folded or not) == reference == a numpy softmax over the valid
-tokens; paged == dense == full forward."""
+"""Paged KV cache: fast == bucketed (heads folded or not) == window == reference == a numpy softmax over the
+valid tokens; paged == dense == full forward."""
 
 from __future__ import annotations
 
@@ -76,16 +76,20 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
     cache = PagedKVCache(k_LPSKH=jnp.asarray(k_pool), v_LPSKH=jnp.asarray(v_pool), table_BM=jnp.asarray(table),
                          page_size=S, impl=impl, block_tokens=8,  # 8 keys/block: several loop trips
                          fold_heads=fold_heads)
+    if impl == "window":  # as a decode chunk opens it: a power of two covering every assigned page
+      n = min(M, 1 << (int((table >= 0).sum(axis=1).max()) - 1).bit_length())
+      return jax.jit(lambda c: c.open_window(n, jnp.float32).attend(1, q, k_new, v_new, pos))(cache)
     return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)
 
   (fast, fast_cache), (ref, ref_cache), (buck, buck_cache) = run("fast"), run("reference"), run("bucketed")
+  window, window_cache = run("window")
   unfolded, unfolded_cache = run("bucketed", fold_heads=False)  # bucketed where KV heads are split over devices
   pallas, pallas_cache = run("pallas")  # the GPU kernel, in Pallas interpret mode on CPU
   k_want, v_want = k_pool.copy(), v_pool.copy()
   for b in range(4):
     k_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = k_new[b, 0]
     v_want[1, table[b, pos[b, 0] // S], pos[b, 0] % S] = v_new[b, 0]
-  for cache in (fast_cache, ref_cache, buck_cache, unfolded_cache, pallas_cache):  # only layer 1's four new slots
+  for cache in (fast_cache, ref_cache, buck_cache, unfolded_cache, pallas_cache, window_cache):  # layer 1's new slots
     np.testing.assert_array_equal(cache.k_LPSKH, k_want)
     np.testing.assert_array_equal(cache.v_LPSKH, v_want)
   want = _numpy_attention(q[:, 0], k_want[1], v_want[1], table, pos[:, 0])
@@ -95,6 +99,12 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
   np.testing.assert_allclose(buck[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(unfolded[:, 0], want, atol=2e-5, rtol=0)
   np.testing.assert_allclose(pallas[:, 0], want, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(window[:, 0], want, atol=2e-5, rtol=0)
+  # The window holds what the pool holds at every position up to each row's, the new token included.
+  for b in range(4):
+    for x_want, x_win in ((k_want, window_cache.window_k[1]), (v_want, window_cache.window_v[1])):
+      rows = np.stack([x_want[1, table[b, p // S], p % S] for p in range(pos[b, 0] + 1)])  # [len, K, H]
+      np.testing.assert_array_equal(np.asarray(x_win)[b, :, : pos[b, 0] + 1].transpose(1, 0, 2), rows)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast", "bucketed"])
@@ -221,7 +231,7 @@ def test_decode_step_compiles_once_and_donates(model):
 
 
 @pytest.mark.parametrize("impl, fold_heads", [("fast", False), ("bucketed", False), ("bucketed", True),
-                                              ("pallas", False)])
+                                              ("pallas", False), ("window", False)])
 def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
   """Position -1 (an idle decode slot): the pool is unchanged and the row's output is zero, while
   the live row beside it attends as usual."""
@@ -231,7 +241,12 @@ def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
                        page_size=S, impl=impl, fold_heads=fold_heads)
   q = jax.random.normal(jax.random.key(4), (2, 1, CFG.n_heads, CFG.head_dim))
   new = jnp.ones((2, 1, CFG.n_kv_heads, CFG.head_dim))
-  out, got = jax.jit(lambda c: c.attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)
+  opened = (lambda c: c.open_window(2, jnp.float32)) if impl == "window" else (lambda c: c)
+  out, got = jax.jit(lambda c: opened(c).attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)
+  if impl == "window":  # the idle row's window is as gathered; the live row's has the new token at column 5
+    np.testing.assert_array_equal(got.window_k[1][0], jnp.asarray(k_pool)[1, jnp.asarray([2, 4])].reshape(
+        2 * S, CFG.n_kv_heads, CFG.head_dim).transpose(1, 0, 2))
+    np.testing.assert_array_equal(got.window_k[1][1, :, 5], 1.0)
   want_k = np.asarray(k_pool).copy()
   want_k[1, 3, 1] = 1.0  # only the live row's position 5 = page 3, slot 1
   np.testing.assert_array_equal(got.k_LPSKH, want_k)

@@ -224,9 +224,10 @@ def patch(state: DecodeState, table_BM, src_C, dst_C, slot_N, last_N, pos_N, seq
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "capacity", "eos_ids", "pad_id", "layout",
-                                             "n_rows"), donate_argnames=("state",))
+                                             "n_rows", "window_pages"), donate_argnames=("state",))
 def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling: SamplingConfig,
-             capacity: int, eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None, n_rows: int = 0):
+             capacity: int, eos_ids: tuple[int, ...], pad_id: int, layout: Layout | None = None, n_rows: int = 0,
+             window_pages: int = 0):
   """Up to n_steps decode steps: (state, tokens_KB, logprobs_KB, emitted_KB, active_B after the chunk).
   n_steps (int32 scalar, traced: every chunk length runs one program) <= capacity (static), the K rows of
   the outputs; rows past the steps run hold pad_id / 0 / False.
@@ -236,9 +237,14 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *
   once instead of after the chunk); 0 = never. Traced, so changing it compiles nothing.
   n_rows (static; 0 = all): each shard decodes only its first n_rows live rows, packed into an n_rows batch
   (the host passes a bound on its live rows), so a step's cost follows the live rows, not the slots. A
-  live row left out (only if the bound was wrong) just does not advance in this chunk."""
+  live row left out (only if the bound was wrong) just does not advance in this chunk.
+  window_pages (static; impl "window" only, > 0 there): the chunk gathers each row's first window_pages pages once
+  (PagedKVCache.open_window) and its steps read them in place; the host passes a power of two covering every
+  page assigned to a live row, so one program serves every chunk until the longest row outgrows it."""
+  if (state.cache.impl == "window") != (window_pages > 0):
+    raise ValueError(f"window_pages={window_pages} with impl={state.cache.impl!r}: a window needs impl 'window'")
   body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, capacity=capacity, eos_ids=eos_ids,
-                           pad_id=pad_id, sharded=_sharded(layout), n_rows=n_rows)
+                           pad_id=pad_id, sharded=_sharded(layout), n_rows=n_rows, window_pages=window_pages)
   specs, KB = _state_specs(state), P(None, "data")
   state, tokens_KB, logprobs_KB, emitted_KB = _per_shard(body, layout, (_R, specs, _R, _D, _R), (specs, KB, KB, KB))(
       params, state, key, live_floor_D, jnp.asarray(n_steps, jnp.int32))
@@ -247,20 +253,20 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *
 
 
 def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling, capacity: int,
-                    eos_ids, pad_id: int, sharded: bool, n_rows: int):
+                    eos_ids, pad_id: int, sharded: bool, n_rows: int, window_pages: int):
   B = state.last_B.shape[0]
+  rows = functools.partial(_decode_rows, graphdef, params, key=key, live_floor_D=live_floor_D, n_steps=n_steps,
+                           sampling=sampling, capacity=capacity, eos_ids=eos_ids, pad_id=pad_id, sharded=sharded,
+                           window_pages=window_pages)
   if not 0 < n_rows < B:
-    return _decode_rows(graphdef, params, state, key, live_floor_D, n_steps, sampling=sampling, capacity=capacity,
-                        eos_ids=eos_ids, pad_id=pad_id, sharded=sharded)
+    return rows(state)
   # Pack: the live rows first (stable), the first n_rows of them decode; their results go back to their slots.
   rows_R = jnp.argsort(~state.active_B, stable=True)[:n_rows]
   take = lambda x: x[rows_R]  # noqa: E731
   packed = state.replace(cache=state.cache.replace(table_BM=take(state.cache.table_BM)), last_B=take(state.last_B),
                          pos_B=take(state.pos_B), seq_B=take(state.seq_B), left_B=take(state.left_B),
                          active_B=take(state.active_B), stop_BX=take(state.stop_BX))
-  packed, tokens_KR, logprobs_KR, emitted_KR = _decode_rows(
-      graphdef, params, packed, key, live_floor_D, n_steps, sampling=sampling, capacity=capacity, eos_ids=eos_ids,
-      pad_id=pad_id, sharded=sharded)
+  packed, tokens_KR, logprobs_KR, emitted_KR = rows(packed)
   put = lambda x, v: x.at[rows_R].set(v)  # noqa: E731
   state = state.replace(cache=state.cache.replace(k_LPSKH=packed.cache.k_LPSKH, v_LPSKH=packed.cache.v_LPSKH),
                         last_B=put(state.last_B, packed.last_B), pos_B=put(state.pos_B, packed.pos_B),
@@ -269,10 +275,12 @@ def _generate_shard(graphdef, params, state: DecodeState, key, live_floor_D, n_s
   return state, cols(tokens_KR, pad_id), cols(logprobs_KR, 0.0), cols(emitted_KR, False)
 
 
-def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *, sampling, capacity: int, eos_ids,
-                 pad_id: int, sharded: bool):
+def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_steps, sampling, capacity: int, eos_ids,
+                 pad_id: int, sharded: bool, window_pages: int):
   """Up to n_steps (<= capacity) decode steps of every row of `state` (its batch, packed or not)."""
   model = _merge(graphdef, params, sharded)
+  if window_pages:
+    state = state.replace(cache=state.cache.open_window(window_pages, jnp.dtype(model.cfg.dtype)))
 
   def step(carry):
     i, state, tokens_KB, logprobs_KB, emitted_KB = carry
@@ -298,7 +306,7 @@ def _decode_rows(graphdef, params, state: DecodeState, key, live_floor_D, n_step
     return (c[0] < jnp.minimum(n_steps, capacity)) & (n_live > 0) & (n_live >= live_floor_D[0])
 
   _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(more, step, init)
-  return state, tokens_KB, logprobs_KB, emitted_KB
+  return state.replace(cache=state.cache.close_window()), tokens_KB, logprobs_KB, emitted_KB
 
 
 def layout_for(mesh, n_slots: int, n_pages: int, n_kv_heads: int) -> Layout | None:

@@ -259,11 +259,20 @@ class RolloutEngine:
     # The chunk length is traced (one program whatever it is); the outputs have chunk_capacity rows.
     out = generate(self._static, self.params, self.state, self.key, floor_D, np.int32(n_steps),
                    sampling=self.sampling, capacity=e.chunk_capacity, eos_ids=e.eos_ids, pad_id=e.pad_id,
-                   layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows)
+                   layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows,
+                   window_pages=self._window_pages())
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
                        steps=n_steps)
+
+  def _window_pages(self) -> int:
+    """impl "window": a power of two (at most M) covering every page the pool has assigned to a slot, so every
+    position a chunk can write is inside its window; 0 for the other reads."""
+    if self.impl != "window":
+      return 0
+    used = np.flatnonzero((self.pool.table() >= 0).any(axis=0))  # page columns some slot holds
+    return min(self.ecfg.max_pages_per_seq, _pow2(int(used[-1]) + 1 if used.size else 1))
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots

@@ -12,7 +12,7 @@ Dimension letters (those of models/layers.py, plus):
   L layers  P pages in the pool  S slots per page (page_size)  M max pages per row
   C pages per block of the fast loop  W = C * S keys per block
 
-Four read paths, chosen by the static `impl`:
+Five read paths, chosen by the static `impl`:
   reference  gather each row's M pages into a dense [B, M*S, K, H] and call layers.gqa_attention
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
   bucketed   (the engine's default on CPU) for decode (T == 1), one masked softmax over the first n pages of
@@ -23,6 +23,14 @@ Four read paths, chosen by the static `impl`:
              off GPU, so on CPU it is a test of the kernel, not a fast path).
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
              with an online (flash-style) fp32 softmax masked per row beyond its own position.
+  window     for a decode chunk (device.generate): each row's first n pages of every layer are gathered once,
+             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n is the
+             host's power of two covering every page assigned to a slot). Each step appends its token's K/V
+             there (and to the pool) and reads them in place, the kv head leading both dots, so no step
+             gathers. On a 2-core CPU this removed most of the read's cost at small batch (benchmarks/RESULTS.md).
+             Its price: a row's last bits depend on n, which depends on where chunks end, so two runs that
+             chunk differently (a mux group and its solo runs) differ in the last bits; hence not the default,
+             and refused under a mux group's run.deterministic. Outside an open window it reads as reference.
   Prefill (T > 1) always takes the reference path.
 All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
 first (`k_LPSKH[layer]`) copies the layer's whole pool every step, so a step cost as much as the
@@ -54,7 +62,7 @@ from flax import struct
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.layers import gqa_attention
 
-IMPLS = ("reference", "fast", "bucketed", "pallas")
+IMPLS = ("reference", "fast", "bucketed", "pallas", "window")
 _MASKED = -1e30  # finite, as in layers.py: masked logits never make inf - inf = NaN
 
 
@@ -70,6 +78,9 @@ class PagedKVCache:
   block_tokens: int = struct.field(pytree_node=False, default=128)  # keys per fast-loop block (≥ 1 page)
   # bucketed: read the KV heads folded into the key axis (below); never where KV heads are split over devices
   fold_heads: bool = struct.field(pytree_node=False, default=False)
+  # window: per-layer [B, K, n*S, H] copies of every row's first n pages, open for one decode chunk (below)
+  window_k: tuple | None = None
+  window_v: tuple | None = None
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
@@ -106,9 +117,27 @@ class PagedKVCache:
     v = self.v_LPSKH.at[layer, page_BT, slot_BT].set(v_BTKH.astype(self.v_LPSKH.dtype), mode="drop")
     return self.replace(k_LPSKH=k, v_LPSKH=v)
 
+  def open_window(self, n_pages: int, dtype) -> PagedKVCache:
+    """impl "window": gathers every row's first `n_pages` pages of each layer once, into per-layer
+    [B, K, n_pages*S, H] arrays of `dtype` (the compute dtype). Decode steps then append to them and read them in
+    place; the caller covers every page a row may touch while the window is open (device.generate)."""
+    pages_Bn = jnp.maximum(self.table_BM[:, :n_pages], 0)  # unassigned: page 0, never visible (s <= pos)
+
+    def layers(x_LPSKH):
+      _, _, S, K, H = x_LPSKH.shape
+      B, n = pages_Bn.shape
+      return tuple(x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(0, 2, 1, 3).astype(dtype)
+                   for i in range(x_LPSKH.shape[0]))
+    return self.replace(window_k=layers(self.k_LPSKH), window_v=layers(self.v_LPSKH))
+
+  def close_window(self) -> PagedKVCache:
+    return self.replace(window_k=None, window_v=None)
+
   def attend(self, layer: int, q_BTNH, k_BTKH, v_BTKH, positions_BT):
     """Stores this layer's new keys/values at `positions_BT`, then attends over s <= position."""
     new = self.write(layer, k_BTKH, v_BTKH, positions_BT)
+    if self.window_k is not None and q_BTNH.shape[1] == 1:
+      return _attend_window(new, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT[:, 0])
     # The reads index (layer, page) in one gather on the whole pool: slicing `k_LPSKH[layer]` first
     # would copy the layer's entire pool every step (inside a loop XLA cannot fuse the slice away).
     if self.impl == "pallas" and q_BTNH.shape[1] == 1:
@@ -126,6 +155,46 @@ class PagedKVCache:
                                self.page_size, self.block_tokens)
       return out_BNH[:, None], new
     return _reference(q_BTNH, new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT, self.page_size), new
+
+
+def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B):
+  """One decode step through the open window: the token's K/V (rounded to the pool's dtype, as a read of the
+  pool would see them) appended at column pos, then one masked softmax over the window's columns s <= pos.
+  Rows with pos < 0 (idle) write nothing and read nothing."""
+  k_BKWH, v_BKWH = new.window_k[layer], new.window_v[layer]
+  B, K, W, _ = k_BKWH.shape
+  col_B1 = jnp.where((pos_B >= 0) & (pos_B < W), pos_B, W)[:, None]  # past the window: dropped
+  b_B1, k_1K = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
+
+  def put(x_BKWH, x_BTKH, pool):
+    return x_BKWH.at[b_B1, k_1K, col_B1].set(x_BTKH[:, 0].astype(pool.dtype).astype(x_BKWH.dtype), mode="drop")
+
+  k_BKWH, v_BKWH = put(k_BKWH, k_BTKH, new.k_LPSKH), put(v_BKWH, v_BTKH, new.v_LPSKH)
+  replace = lambda ws, x: ws[:layer] + (x,) + ws[layer + 1:]  # noqa: E731
+  new = new.replace(window_k=replace(new.window_k, k_BKWH), window_v=replace(new.window_v, v_BKWH))
+  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKWH, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None])
+  return out_BNH[:, None], new
+
+
+def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BKWH"):
+  """Masked softmax attention of one query per head, the kv head a batch dimension of both dots, over keys laid
+  out `keys` ("BKWH": kv head leading, as the window holds them, so the dots read them in place; "BWKH": as
+  gathered from pages); a row with no visible key gives 0."""
+  B, N, H = q_BNH.shape
+  K = k.shape[keys.index("K")]
+  q_BKGH = q_BNH.reshape(B, K, N // K, H)
+  logits_BKGW = jnp.einsum(f"BKGH,{keys}->BKGW", q_BKGH, k, preferred_element_type=jnp.float32) * H**-0.5
+  p_BKGW, l_BKG = _masked_softmax(logits_BKGW, mask_BW[:, None, None, :])
+  out_BKGH = jnp.einsum(f"BKGW,{keys}->BKGH", p_BKGW.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
+  return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+
+
+def _masked_softmax(logits, mask):
+  """(p, l): exp(logit - max) where visible (0 elsewhere), unnormalised, and its sum over the last axis."""
+  logits = jnp.where(mask, logits, _MASKED)
+  p = jnp.where(mask, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+  return p, p.sum(-1)
 
 
 def _reference(q_BTNH, k_LPSKH, v_LPSKH, layer: int, table_BM, positions_BT, page_size: int):
@@ -199,19 +268,12 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
 
 def _read_by_head(q_BNH, k_LPSKH, v_LPSKH, layer: int, pages_Bn, pos_B, S: int):
   """The bucketed read over pages `pages_Bn`, the kv head a batch dimension of both dots."""
-  B, N, H = q_BNH.shape
+  B, _, H = q_BNH.shape
   n, K = pages_Bn.shape[1], k_LPSKH.shape[3]
   k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
   v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
   mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
-  q_BKGH = q_BNH.reshape(B, K, N // K, H)
-  logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
-  logits_BKGW = jnp.where(mask_BW[:, None, None, :], logits_BKGW, _MASKED)
-  p_BKGW = jnp.where(mask_BW[:, None, None, :], jnp.exp(logits_BKGW - logits_BKGW.max(-1, keepdims=True)), 0.0)
-  l_BKG = p_BKGW.sum(-1)
-  out_BKGH = jnp.einsum("BKGW,BWKH->BKGH", p_BKGW.astype(v_BWKH.dtype), v_BWKH, preferred_element_type=jnp.float32)
-  out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
-  return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+  return _attend_by_head(q_BNH, k_BWKH, v_BWKH, mask_BW, keys="BWKH")
 
 
 # The bucketed read folds the KV-head axis into the key axis: a gathered [B, n, S, K, H] block is read as
@@ -255,8 +317,6 @@ def _attend_folded(q_BNH, k_BTH, v_BTH, mask_BNT):
   """Masked softmax attention of one query per head over folded keys; a row with no visible key gives 0."""
   H = q_BNH.shape[-1]
   logits_BNT = jnp.einsum("BNH,BTH->BNT", q_BNH, k_BTH, preferred_element_type=jnp.float32) * H**-0.5
-  logits_BNT = jnp.where(mask_BNT, logits_BNT, _MASKED)
-  p_BNT = jnp.where(mask_BNT, jnp.exp(logits_BNT - logits_BNT.max(-1, keepdims=True)), 0.0)
-  l_BN = p_BNT.sum(-1)
+  p_BNT, l_BN = _masked_softmax(logits_BNT, mask_BNT)
   out_BNH = jnp.einsum("BNT,BTH->BNH", p_BNT.astype(v_BTH.dtype), v_BTH, preferred_element_type=jnp.float32)
   return (out_BNH / jnp.where(l_BN > 0, l_BN, 1.0)[..., None]).astype(q_BNH.dtype)
