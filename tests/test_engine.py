@@ -258,7 +258,9 @@ def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl):
                                                             impl=impl), mesh=mesh)
   got = eng.run(requests)
   sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size())
-  eng.run(requests[::-1])
+  # The same batch again compiles nothing; "window" compiles one chunk program per (rows, window width) pair it
+  # meets, so another order of the batch may meet a pair this one did not.
+  eng.run(requests[::-1] if impl == "auto" else requests)
   assert (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size()) == sizes, "steady state recompiled"
   assert [s.tokens for s in got] == [s.tokens for s in want]
   # Observed max |diff| 1.06e-5 (data=4, tensor=2; bucketed read): sharded matmuls sum in another

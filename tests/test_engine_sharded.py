@@ -107,8 +107,7 @@ def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, te
   assert eng.state.cache.fold_heads == (tensor == 1)
   hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32), np.int32(5),
                               sampling=eng.sampling, capacity=5,
-                              eos_ids=EOS, pad_id=0, layout=eng.layout,
-                              window_pages=eng._window_pages()).compile().as_text()
+                              eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
   kv = eng.state.cache.k_LPSKH
   pool_elems = int(np.prod(kv.sharding.shard_shape(kv.shape)))
   found = _collectives(hlo)

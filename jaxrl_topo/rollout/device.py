@@ -239,8 +239,8 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *
   (the host passes a bound on its live rows), so a step's cost follows the live rows, not the slots. A
   live row left out (only if the bound was wrong) just does not advance in this chunk.
   window_pages (static; impl "window" only, > 0 there): the chunk gathers each row's first window_pages pages once
-  (PagedKVCache.open_window) and its steps read them in place; the host passes a power of two covering every
-  page assigned to a live row, so one program serves every chunk until the longest row outgrows it."""
+  (PagedKVCache.open_window) and its steps read them in place; it ends before any live row would write past
+  them. The host passes a power of two, so a program serves every chunk until the longest row outgrows it."""
   if (state.cache.impl == "window") != (window_pages > 0):
     raise ValueError(f"window_pages={window_pages} with impl={state.cache.impl!r}: a window needs impl 'window'")
   body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, capacity=capacity, eos_ids=eos_ids,
@@ -303,7 +303,10 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
           jnp.zeros((capacity, B), bool))
   def more(c):
     n_live = jnp.sum(c[1].active_B.astype(jnp.int32))
-    return (c[0] < jnp.minimum(n_steps, capacity)) & (n_live > 0) & (n_live >= live_floor_D[0])
+    fits = True  # impl "window": no live row's next write lies past the window
+    if window_pages:
+      fits = jnp.max(jnp.where(c[1].active_B, c[1].pos_B, -1)) < window_pages * c[1].cache.page_size
+    return (c[0] < jnp.minimum(n_steps, capacity)) & (n_live > 0) & (n_live >= live_floor_D[0]) & fits
 
   _, state, tokens_KB, logprobs_KB, emitted_KB = jax.lax.while_loop(more, step, init)
   return state.replace(cache=state.cache.close_window()), tokens_KB, logprobs_KB, emitted_KB

@@ -235,12 +235,14 @@ class RolloutEngine:
     self.stats["uploads"] += 1
     return tok_N, lp_N, rows
 
-  def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False, pack: bool = False) -> _Dispatched:
+  def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False, pack: bool = False,
+                ahead: int = 0) -> _Dispatched:
     """Flushes the host's changes and launches one chunk of K decode steps; nothing is read.
     `exit_on_free`: it ends once a data shard has max(1, 1/8 of its slots) fewer live rows than the host
     counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out.
     `pack` (run()'s loop): the steps compute only the live rows (below). JetStream's `generate` does
-    not pack: its chunks keep their fixed length."""
+    not pack: its chunks keep their fixed length. `ahead`: steps of a dispatched chunk not read yet (impl
+    "window" sizes its window from the host's token counts, which lag the device by those steps)."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
@@ -260,19 +262,20 @@ class RolloutEngine:
     out = generate(self._static, self.params, self.state, self.key, floor_D, np.int32(n_steps),
                    sampling=self.sampling, capacity=e.chunk_capacity, eos_ids=e.eos_ids, pad_id=e.pad_id,
                    layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows,
-                   window_pages=self._window_pages())
+                   window_pages=self._window_pages(ahead))
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
                        steps=n_steps)
 
-  def _window_pages(self) -> int:
-    """impl "window": a power of two (at most M) covering every page the pool has assigned to a slot, so every
-    position a chunk can write is inside its window; 0 for the other reads."""
+  def _window_pages(self, ahead: int) -> int:
+    """impl "window": the fewest pages, a power of two (at most M), holding the next position any row can write
+    (its tokens so far, plus `ahead` unread steps); 0 for the other reads. The chunk ends when a row outgrows
+    it (device.generate), so a window is as wide as the longest row needs now, not at the chunk's end."""
     if self.impl != "window":
       return 0
-    used = np.flatnonzero((self.pool.table() >= 0).any(axis=0))  # page columns some slot holds
-    return min(self.ecfg.max_pages_per_seq, _pow2(int(used[-1]) + 1 if used.size else 1))
+    next_pos = int(self.pool.lengths().max()) + ahead
+    return min(self.ecfg.max_pages_per_seq, _pow2(next_pos // self.ecfg.page_size + 1))
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots

@@ -124,7 +124,7 @@ class Stream:
     if loop.live:
       loop.reserve(unread + n_steps)
       if loop.live:
-        dispatched = eng._dispatch(n_steps, exit_on_free=waiting, pack=True)
+        dispatched = eng._dispatch(n_steps, exit_on_free=waiting, pack=True, ahead=unread)
         dispatched.queued = waiting
     if not eng.ecfg.overlap and dispatched is not None:
       self.inflight, dispatched = dispatched, None
