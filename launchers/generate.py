@@ -2,7 +2,7 @@
 
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
-      [--stop="</answer>" --stop="\n\n"]
+      [--stop="</answer>" --stop="\n\n"] [--read=window]
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
@@ -21,6 +21,7 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
+from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).",
@@ -40,6 +41,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the batch).")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
+_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS],
+                          "The engine's paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU, else "
+                          "bucketed; window = the fastest on CPU at small batch (last bits depend on chunk ends).")
 
 
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):
@@ -92,7 +96,7 @@ def main(argv: Sequence[str]) -> None:
                             top_p=_TOP_P.value, min_p=_MIN_P.value)
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
-                      data=_DATA.value, tensor=_TENSOR.value)
+                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value)
   if _STOP.value:
     rows = apply_stops(rows, tokenizer, _STOP.value)
     with open(_OUT.value, "w") as f:

@@ -62,12 +62,14 @@ def test_stop_strings_end_a_completion(tmp_path, model):
   """Before: there was no --stop flag (absl rejected it)."""
   p = _prompts(tmp_path / "in.jsonl", ["abcabc", "hello"])
   out = tmp_path / "o.jsonl"
-  r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12")
+  # --read=window in both runs: the stop cut is applied after generation, whatever the read
+  r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12",
+           "--read=window")
   assert r.returncode == 0, r.stderr[-3000:]
   full = [json.loads(line) for line in out.read_text().splitlines()]
   stop = full[0]["text"][3:5]
   r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12",
-           f"--stop={stop}")
+           f"--stop={stop}", "--read=window")
   assert r.returncode == 0, r.stderr[-3000:]
   cut = [json.loads(line) for line in out.read_text().splitlines()]
   assert cut[0]["text"].endswith(stop) and full[0]["text"].startswith(cut[0]["text"])

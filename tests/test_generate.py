@@ -107,6 +107,12 @@ def test_generate_command_end_to_end(tiny_dir, tmp_path):
   alone = generate.run(tiny_dir, str(tmp_path / "one.jsonl"), str(tmp_path / "o1.jsonl"), max_new_tokens=6,
                        chat=True, batch_size=2)
   assert alone[0]["completion_ids"] == rows[1]["completion_ids"]
+  # The engine's window read (generate.run(read=...), the launcher's --read): the same tokens, log-probs to 1e-5.
+  window = generate.run(tiny_dir, str(prompts), str(tmp_path / "w.jsonl"), max_new_tokens=6, chat=True, batch_size=2,
+                        read="window")
+  assert [r["completion_ids"] for r in window] == [r["completion_ids"] for r in rows]
+  np.testing.assert_allclose(sum((r["logprobs"] for r in window), []), sum((r["logprobs"] for r in rows), []),
+                             atol=1e-5)
 
 
 def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tiny_dir, tmp_path):

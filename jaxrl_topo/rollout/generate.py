@@ -70,18 +70,18 @@ class Completion:
 
 def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: DecodeConfig, *, seed: int = 0,
                  batch_size: int = 8, vocab_size: int | None = None, mesh=None, progress: bool = False,
-                 impl: str = "paged", page_size: int = 16) -> list[Completion]:
+                 impl: str = "paged", page_size: int = 16, read: str = "auto") -> list[Completion]:
   """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position).
 
   impl="paged" runs the rollout engine (continuous batching over `batch_size` slots, a KV pool
-  big enough that nothing is ever preempted); impl="dense" the reference decoder in fixed batches.
-  Both draw the same keys, so they give the same tokens."""
+  big enough that nothing is ever preempted; `read`: its paged decode read, EngineConfig.impl);
+  impl="dense" the reference decoder in fixed batches. Both draw the same keys, so they give the same tokens."""
   for i, p in enumerate(prompts):
     if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
       raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size})")
   if impl == "paged":
     return _generate_paged(graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
-                           progress=progress, page_size=page_size)
+                           progress=progress, page_size=page_size, read=read)
   if impl != "dense":
     raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
@@ -103,12 +103,13 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
   return [out[i] for i in range(len(prompts))]
 
 
-def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size):
+def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size,
+                    read: str):
   cfg = nnx.merge(graphdef, params).cfg
   max_len = -(-(max(map(len, prompts)) + decode.max_new_tokens) // page_size) * page_size
   ecfg = EngineConfig(n_slots=n_slots, page_size=page_size, n_pages=n_slots * (max_len // page_size),
                       max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,
-                      pad_id=decode.pad_id)
+                      pad_id=decode.pad_id, impl=read)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
   bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
 
@@ -123,7 +124,7 @@ def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_
 
 def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,
         sampling: SamplingConfig = SamplingConfig(greedy=True), seed: int = 0, chat: bool = False,
-        batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1) -> list[dict]:
+        batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1, read: str = "auto") -> list[dict]:
   """Reads prompts, generates, writes `out_path`; returns the written rows."""
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
   prompts = read_prompts(prompts_path, tokenizer, chat)
@@ -137,7 +138,7 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
                len(prompts), eos)
   decode = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos), pad_id=pad)
   completions = generate_ids(graphdef, params, prompts, decode, seed=seed, batch_size=batch_size,
-                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True)
+                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read)
   rows = [dict(completion_ids=c.completion_ids, text=tokenizer.decode(c.completion_ids) if tokenizer else None,
                logprobs=c.logprobs, finish_reason=c.finish_reason) for c in completions]
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
