@@ -26,8 +26,9 @@ swaps in another shape), B prompts of `--prompt_len` (32) random tokens, exactly
 each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
 median of `--repeats` (20) after a warm-up. paged = RolloutEngine with B slots; dense = one generate_dense call.
 Pool workload (`--workload=pool`): the same model, B = 8 slots prefilled to `--contexts` tokens, then one decode chunk
-timed (median of `--repeats`, a fresh prefill before each); one line per (pool pages, context): `step_s` = chunk / K,
-`insert_s` = one prompt's insert (its prefill and first token, read back): mean of a round's 8, median of rounds.
+timed (median of `--repeats`, a fresh prefill before each); one line per (paged impl, pool pages, context):
+`step_s` = chunk / K, `insert_s` = one prompt's insert (its prefill and first token, read back): mean of a round's 8,
+median of rounds.
 The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
 calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
 chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
@@ -200,38 +201,39 @@ def engine_rates(stats, tokens: int) -> dict:
           "prefill_calls": stats.get("prefill_calls", 0), "chunks": stats.get("chunks", 0)}
 
 
-def pool_sweep(graphdef, cfg, params, args, common):
-  """One decode chunk at B=8 slots prefilled to each context, for each pool size: step_s against both.
-  Every configuration gets its own engine up front; the timed rounds then take them in turn, so load
-  from other processes hits all configurations alike."""
+def pool_sweep(graphdef, cfg, params, args, common, impls):
+  """One decode chunk at B=8 slots prefilled to each context, for each pool size and paged impl in `impls`: step_s
+  against both. Every configuration gets its own engine up front; the timed rounds then take them in turn, so
+  load from other processes hits all configurations alike."""
   B, K = 8, args.decode_chunk
   rng = np.random.default_rng(args.seed)
   engines = {}
-  for n_pages in (int(p) for p in args.pools.split(",")):
-    for ctx in (int(c) for c in args.contexts.split(",")):
-      max_len = -(-(ctx + K + 1) // args.page_size) * args.page_size
-      if B * max_len // args.page_size <= n_pages:
-        ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
-                            sampling=SAMPLED, eos_ids=(), min_bucket=ctx)
-        engines[(n_pages, ctx)] = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
+  for impl in (i for i in impls if i != "dense"):
+    for n_pages in (int(p) for p in args.pools.split(",")):
+      for ctx in (int(c) for c in args.contexts.split(",")):
+        max_len = -(-(ctx + K + 1) // args.page_size) * args.page_size
+        if B * max_len // args.page_size <= n_pages:
+          ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
+                              sampling=SAMPLED, eos_ids=(), min_bucket=ctx, impl=impl.partition(":")[2] or "auto")
+          engines[(impl, n_pages, ctx)] = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
   walls, inserts = {key: [] for key in engines}, {key: [] for key in engines}
   for rep in range(args.repeats + 1):  # round 0 compiles
-    for (n_pages, ctx), engine in engines.items():
+    for (impl, n_pages, ctx), engine in engines.items():
       t0 = time.perf_counter()
       slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
                for b in range(B)]  # each insert: one prefill, its first token read back
       t1 = time.perf_counter()
       engine.generate()  # dispatch, run and read back one chunk
       if rep:
-        walls[(n_pages, ctx)].append(time.perf_counter() - t1)
-        inserts[(n_pages, ctx)].append((t1 - t0) / B)
+        walls[(impl, n_pages, ctx)].append(time.perf_counter() - t1)
+        inserts[(impl, n_pages, ctx)].append((t1 - t0) / B)
       for slot in slots:
         engine.free(slot)
-  for (n_pages, ctx), w in walls.items():
+  for (impl, n_pages, ctx), w in walls.items():
     wall = statistics.median(w)
-    print(json.dumps({"impl": "paged", "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
+    print(json.dumps({"impl": impl, "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
                       "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, "chunk_s_all": w,
-                      "insert_s": statistics.median(inserts[(n_pages, ctx)]), **common}), flush=True)
+                      "insert_s": statistics.median(inserts[(impl, n_pages, ctx)]), **common}), flush=True)
 
 
 def main():
@@ -294,7 +296,7 @@ def main():
     common.update({"median_len": args.median_len, "sigma": args.sigma, "cap": 8 * args.median_len,
                    "kv_budget_bytes": int(budget), "seqs_fit_paged": fit_paged, "seqs_fit_dense": fit_dense})
   if args.workload == "pool":
-    return pool_sweep(graphdef, cfg, params, args, common)
+    return pool_sweep(graphdef, cfg, params, args, common, impls)
   sampling = SAMPLED if fixed else GREEDY
   for batch in (int(b) for b in args.batches.split(",")):
     n_seqs = args.n_seqs or (batch if fixed else 2 * batch)
