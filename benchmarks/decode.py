@@ -27,8 +27,8 @@ each (no EOS), temperature 1; tokens/s of new tokens over the whole call,
 median of `--repeats` (20) after a warm-up. paged = RolloutEngine with B slots; dense = one generate_dense call.
 Pool workload (`--workload=pool`): the same model, B = 8 slots prefilled to `--contexts` tokens, then one decode chunk
 timed (median of `--repeats`, a fresh prefill before each); one line per (paged impl, pool pages, context):
-`step_s` = chunk / K, `insert_s` = one prompt's insert (its prefill and first token, read back): mean of a round's 8,
-median of rounds.
+`step_s` = chunk / the steps it ran (K, fewer where a `window` chunk ends at its longest row's edge: `steps_run`),
+`insert_s` = one prompt's insert (its prefill and first token, read back): mean of a round's 8, median of rounds.
 The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
 calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
 chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
@@ -223,16 +223,18 @@ def pool_sweep(graphdef, cfg, params, args, common, impls):
       slots = [engine.insert(rng.integers(0, cfg.vocab_size, ctx).tolist(), B * rep + b, max_new_tokens=K + 1)[0]
                for b in range(B)]  # each insert: one prefill, its first token read back
       t1 = time.perf_counter()
-      engine.generate()  # dispatch, run and read back one chunk
+      emitted_KB = engine.generate()[2]  # dispatch, run and read back one chunk
+      ran = int(emitted_KB.any(axis=1).sum())  # < K where a window chunk ended at its longest row's edge
       if rep:
-        walls[(impl, n_pages, ctx)].append(time.perf_counter() - t1)
+        walls[(impl, n_pages, ctx)].append((time.perf_counter() - t1, ran))
         inserts[(impl, n_pages, ctx)].append((t1 - t0) / B)
       for slot in slots:
         engine.free(slot)
   for (impl, n_pages, ctx), w in walls.items():
-    wall = statistics.median(w)
+    chunks = [t for t, _ in w]
     print(json.dumps({"impl": impl, "workload": "pool", "batch": B, "n_pages": n_pages, "context": ctx,
-                      "decode_chunk": K, "chunk_s": wall, "step_s": wall / K, "chunk_s_all": w,
+                      "decode_chunk": K, "chunk_s": statistics.median(chunks), "steps_run": [n for _, n in w],
+                      "step_s": statistics.median(t / n for t, n in w), "chunk_s_all": chunks,
                       "insert_s": statistics.median(inserts[(impl, n_pages, ctx)]), **common}), flush=True)
 
 

@@ -43,7 +43,8 @@ _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollou
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS],
                           "The engine's paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU, else "
-                          "bucketed; window = the fastest on CPU at small batch (last bits depend on chunk ends).")
+                          "bucketed; window = faster on CPU at small batch and short contexts (last bits depend on "
+                          "chunk ends).")
 
 
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):

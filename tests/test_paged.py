@@ -76,7 +76,7 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
     cache = PagedKVCache(k_LPSKH=jnp.asarray(k_pool), v_LPSKH=jnp.asarray(v_pool), table_BM=jnp.asarray(table),
                          page_size=S, impl=impl, block_tokens=8,  # 8 keys/block: several loop trips
                          fold_heads=fold_heads)
-    if impl == "window":  # as a decode chunk opens it: a power of two covering every assigned page
+    if impl == "window":  # a power of two (or M) of pages covering every row's position, as a chunk opens it
       n = min(M, 1 << (int((table >= 0).sum(axis=1).max()) - 1).bit_length())
       return jax.jit(lambda c: c.open_window(n, jnp.float32).attend(1, q, k_new, v_new, pos))(cache)
     return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)

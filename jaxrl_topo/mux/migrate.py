@@ -20,8 +20,9 @@ of the rollout mesh's data shards:
                 freed_slot_steps = tail steps x (n_slots - tail rows), freed_kv_bytes)
 
 Sampling keys depend on (key, sequence id, position) only, so the stragglers' tokens and log-probs are those
-of an unmoved run, bit for bit (tests/test_mux_migrate.py). After the stream closes, `restore` frees the
-tail's pool; the job's next rollout runs on its full engine again.
+of an unmoved run, bit for bit (tests/test_mux_migrate.py), with every read but `window` (paged.py: its width
+follows where chunks end and the longest row any slot holds, so a move changes last bits). After the stream
+closes, `restore` frees the tail's pool; the job's next rollout runs on its full engine again.
 
 With a row-exact paged read (`ROW_EXACT`: rollout.impl fast, reference or pallas; auto is pallas on GPU) the
 stragglers `merge`: they fill the tail's rows in slot order from any shards, so they move at `migrate_at`,

@@ -240,7 +240,7 @@ def generate(graphdef, params, state: DecodeState, key, live_floor_D, n_steps, *
   live row left out (only if the bound was wrong) just does not advance in this chunk.
   window_pages (static; impl "window" only, > 0 there): the chunk gathers each row's first window_pages pages once
   (PagedKVCache.open_window) and its steps read them in place; it ends before any live row would write past
-  them. The host passes a power of two, so a program serves every chunk until the longest row outgrows it."""
+  them. The host passes a power of two (or M), so a program serves every chunk until the longest row outgrows it."""
   if (state.cache.impl == "window") != (window_pages > 0):
     raise ValueError(f"window_pages={window_pages} with impl={state.cache.impl!r}: a window needs impl 'window'")
   body = functools.partial(_generate_shard, graphdef.value, sampling=sampling, capacity=capacity, eos_ids=eos_ids,

@@ -241,8 +241,9 @@ class RolloutEngine:
     `exit_on_free`: it ends once a data shard has max(1, 1/8 of its slots) fewer live rows than the host
     counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out.
     `pack` (run()'s loop): the steps compute only the live rows (below). JetStream's `generate` does
-    not pack: its chunks keep their fixed length. `ahead`: steps of a dispatched chunk not read yet (impl
-    "window" sizes its window from the host's token counts, which lag the device by those steps)."""
+    not pack: its chunks keep their fixed length (with impl "window" a chunk also ends early when its longest row
+    outgrows the window). `ahead`: steps of a dispatched chunk not read yet (impl "window" sizes its window from
+    the host's token counts, which lag the device by those steps)."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
@@ -359,7 +360,8 @@ class RolloutEngine:
     return self.insert_group(prompt_ids, [seq_id], **kw)[0]
 
   def generate(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """K decode steps for every live slot: (tokens_KB, logprobs_KB, emitted_KB) on the host.
+    """K decode steps for every live slot (fewer with impl "window" when the longest row outgrows its window):
+    (tokens_KB, logprobs_KB, emitted_KB) on the host.
     A slot stops emitting at EOS / its stop ids / its length budget and stays inactive (its pages
     held) until `free`. Raises OutOfPages if a live slot cannot get pages for the chunk."""
     e, h = self.ecfg, self.host

@@ -24,13 +24,16 @@ Five read paths, chosen by the static `impl`:
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
              with an online (flash-style) fp32 softmax masked per row beyond its own position.
   window     for a decode chunk (device.generate): each row's first n pages of every layer are gathered once,
-             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n is the
-             host's power of two covering every page assigned to a slot). Each step appends its token's K/V
-             there (and to the pool) and reads them in place, the kv head leading both dots, so no step
-             gathers. On a 2-core CPU this removed most of the read's cost at small batch (benchmarks/RESULTS.md).
-             Its price: a row's last bits depend on n, which depends on where chunks end, so two runs that
-             chunk differently (a mux group and its solo runs) differ in the last bits; hence not the default,
-             and refused under a mux group's run.deterministic. Outside an open window it reads as reference.
+             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n: the
+             fewest pages, a power of two or M, holding the next position any slot's row can write; the chunk
+             ends before a row outgrows them). Each step appends its token's K/V there (and to the pool) and
+             reads them in place, the kv head leading both dots, so no step gathers. On a 2-core CPU this removed
+             most of the read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: a
+             row's last bits depend on n, which follows the longest row any slot holds and where chunks end, so
+             two runs that chunk differently (a mux group and its solo runs) differ in the last bits (hence not
+             the default, and refused under a mux group's run.deterministic); one decode program per (rows, n)
+             pair met; and the chunk's rows held a second time, in the compute dtype. Outside an open window it
+             reads as reference.
   Prefill (T > 1) always takes the reference path.
 All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
 first (`k_LPSKH[layer]`) copies the layer's whole pool every step, so a step cost as much as the
