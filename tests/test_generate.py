@@ -86,7 +86,7 @@ def tiny_dir(tmp_path_factory):
   return path
 
 
-def test_generate_command_end_to_end(tiny_dir, tmp_path):
+def test_generate_command_end_to_end(tiny_dir, tmp_path, monkeypatch):
   prompts = tmp_path / "in.jsonl"
   lines = [{"prompt": "What is 2 + 3?"}, {"prompt_ids": [10, 11, 12]}, {"prompt": "hi"}]
   prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -108,8 +108,11 @@ def test_generate_command_end_to_end(tiny_dir, tmp_path):
                        chat=True, batch_size=2)
   assert alone[0]["completion_ids"] == rows[1]["completion_ids"]
   # The engine's window read (generate.run(read=...), the launcher's --read): the same tokens, log-probs to 1e-5.
+  reads, engine = [], generate.RolloutEngine
+  monkeypatch.setattr(generate, "RolloutEngine", lambda *a, **k: reads.append(a[3].impl) or engine(*a, **k))
   window = generate.run(tiny_dir, str(prompts), str(tmp_path / "w.jsonl"), max_new_tokens=6, chat=True, batch_size=2,
                         read="window")
+  assert reads == ["window"], reads  # the read reached the engine (its tokens alone would not show it)
   assert [r["completion_ids"] for r in window] == [r["completion_ids"] for r in rows]
   np.testing.assert_allclose(sum((r["logprobs"] for r in window), []), sum((r["logprobs"] for r in rows), []),
                              atol=1e-5)
