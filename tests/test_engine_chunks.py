@@ -160,3 +160,44 @@ def test_chunks_of_every_length_share_one_decode_program(tiny):
   assert [len(s.tokens) for s in got] == [3, 50]
   assert eng.stats["chunks"] - before <= 5, "chunks did not grow (4, 8, 16, 32 steps...)"
   assert engine_lib.generate._cache_size() == size, "a chunk length compiled its own program"
+
+
+def test_a_tail_sends_no_chunk_that_would_run_no_step(tiny):
+  """One request, nothing waiting: its first chunk (grown to 32 steps) runs it to its 20-token limit, so the loop
+  dispatches nothing more: one chunk, one host read (the overlap used to send a second chunk before reading the
+  first, which then ran no step: 2 chunks, 2 reads). Its prefill carries the chunk's pages: one upload, no patch
+  after it (with the pages reserved after the prefill, 2 uploads). Tokens equal a run with short chunks."""
+  graphdef, params = tiny
+  (a,) = _prompts(1, seed=12, max_len=6)
+  one = [Request(a, max_new_tokens=20)]
+  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=32, eos_ids=())
+  got = eng.run(one)
+  want = _engine(graphdef, params, n_slots=2, eos_ids=()).run(one)
+  assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 20
+  stats = eng.stats
+  assert (stats["chunks"], stats["host_reads"], stats["uploads"]) == (1, 1, 1), dict(stats)
+
+
+def test_a_window_after_an_unread_chunk_is_no_wider_than_that_chunk_lets_rows_reach(tiny, monkeypatch):
+  """impl "window", one request (prompt 6, 40 tokens), 4-token pages, chunks grown to 64 steps. The windows the
+  chunks open, in pages: 2 (positions < 8: the chunk ends at its edge), then 4, dispatched before the first chunk
+  is read: the host's count (6) lags it by up to 64 steps, but that chunk stops every row at its edge (8), so 4
+  pages hold the next write. Sized from the 64 steps alone it was 16, every step of the chunk reading 4x the
+  columns. Then 16, the doubled window holding every write left (to position 44), and no fourth chunk: the third
+  ends the row. Tokens and log-probs equal the bucketed read's."""
+  graphdef, params = tiny
+  one = [Request([5, 17, 42, 8, 23, 61], max_new_tokens=40)]
+  windows = []
+  generate = engine_lib.generate
+
+  def spy(*args, **kw):
+    windows.append(kw["window_pages"])
+    return generate(*args, **kw)
+
+  want = _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run(one)
+  monkeypatch.setattr(engine_lib, "generate", spy)
+  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=64, eos_ids=(), impl="window")
+  got = eng.run(one)
+  assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 40
+  np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=1e-5)
+  assert windows == [2, 4, 16] and eng.stats["chunks"] == 3, (windows, dict(eng.stats))

@@ -236,14 +236,14 @@ class RolloutEngine:
     return tok_N, lp_N, rows
 
   def _dispatch(self, n_steps: int | None = None, exit_on_free: bool = False, pack: bool = False,
-                ahead: int = 0) -> _Dispatched:
+                after: _Dispatched | None = None) -> _Dispatched:
     """Flushes the host's changes and launches one chunk of K decode steps; nothing is read.
     `exit_on_free`: it ends once a data shard has max(1, 1/8 of its slots) fewer live rows than the host
     counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out.
     `pack` (run()'s loop): the steps compute only the live rows (below). JetStream's `generate` does
     not pack: its chunks keep their fixed length (with impl "window" a chunk also ends early when its longest row
-    outgrows the window). `ahead`: steps of a dispatched chunk not read yet (impl "window" sizes its window from
-    the host's token counts, which lag the device by those steps)."""
+    outgrows the window). `after`: the dispatched chunk not read yet (impl "window" sizes its window from the
+    host's token counts, which lag the device by that chunk's steps)."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
@@ -260,23 +260,38 @@ class RolloutEngine:
     if not 0 < n_steps <= e.chunk_capacity:
       raise ValueError(f"a chunk of {n_steps} steps; EngineConfig allows 1..{e.chunk_capacity} (chunk_capacity)")
     # The chunk length is traced (one program whatever it is); the outputs have chunk_capacity rows.
+    window = self._window_pages(n_steps, after)
     out = generate(self._static, self.params, self.state, self.key, floor_D, np.int32(n_steps),
                    sampling=self.sampling, capacity=e.chunk_capacity, eos_ids=e.eos_ids, pad_id=e.pad_id,
-                   layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows,
-                   window_pages=self._window_pages(ahead))
+                   layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows, window_pages=window)
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
-                       steps=n_steps)
+                       steps=n_steps, window=window, floored=bool(floor_D.max() > 1))
 
-  def _window_pages(self, ahead: int) -> int:
-    """impl "window": the fewest pages, a power of two (at most M), holding the next position any row can write
-    (its tokens so far, plus `ahead` unread steps); 0 for the other reads. The chunk ends when a row outgrows
-    it (device.generate), so a window is as wide as the longest row needs now, not at the chunk's end."""
+  def _window_pages(self, n_steps: int, after: _Dispatched | None) -> int:
+    """impl "window": pages, a power of two (at most M), holding the next position any row can write; 0 for the
+    other reads. Positions are the host's (every slot's tokens so far) plus the unread chunk `after`'s steps, but
+    no further than that chunk's own window: it ended any row at its edge. The chunk ends when a live row outgrows
+    the window (device.generate). Twice that width when the doubled window holds every live row's writes for the
+    whole chunk (its n_steps, or to the row's token limit): a chunk ending at the edge costs a host round trip,
+    more than one doubling of the width costs over the steps it saves at small batch (not at large batch)."""
     if self.impl != "window":
       return 0
-    next_pos = int(self.pool.lengths().max()) + ahead
-    return min(self.ecfg.max_pages_per_seq, _pow2(next_pos // self.ecfg.page_size + 1))
+    S, M, h = self.ecfg.page_size, self.ecfg.max_pages_per_seq, self.host
+    ahead, edge, ran = 0, 0, np.zeros(self.ecfg.n_slots, bool)
+    if after is not None:  # rows in it (same sequence in the slot) end it at most `ahead` steps on, not past its edge
+      ahead, edge, ran = after.steps, after.window * S or np.iinfo(np.int32).max, self._epoch_B == after.epoch_B
+
+    def after_B(pos_B):  # positions once the unread chunk has run (a row it never advanced keeps its own)
+      return np.where(ran, np.maximum(pos_B, np.minimum(pos_B + ahead, edge)), pos_B)
+
+    tight = min(M, _pow2(int(after_B(self.pool.lengths()).max()) // S + 1))
+    live = h.active_B
+    if not live.any():
+      return tight
+    last = int(np.minimum(h.pos_B + np.minimum(h.left_B, ahead + n_steps), after_B(h.pos_B) + n_steps)[live].max()) - 1
+    return min(M, 2 * tight) if tight <= last // S < 2 * tight else tight
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots

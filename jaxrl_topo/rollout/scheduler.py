@@ -117,14 +117,20 @@ class Stream:
     unread = self.inflight.steps if self.inflight is not None else 0
     if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
       loop.fill(unread + eng.ecfg.decode_chunk)
-      eng._flush()  # the wave's prefills, before reserve() may preempt (free) one of its slots
-    waiting = bool(loop.queue or loop.pinned)
     n_steps = self._chunk_steps(unread)
+    if eng._pending is None:
+      # The wave's prefills, before reserve() may preempt (free) one of its slots. When the next chunk's pages
+      # fit without preempting, they are taken first: the prefill then carries the page table that chunk reads,
+      # and no patch has to follow it.
+      if loop.live and eng.pool.fits({s: int(min(unread + n_steps, eng.host.left_B[s])) for s in loop.live}):
+        loop.reserve(unread + n_steps)
+      eng._flush()
+    waiting = bool(loop.queue or loop.pinned)
     dispatched = None
-    if loop.live:
+    if loop.live and not self._ends_in_flight():
       loop.reserve(unread + n_steps)
       if loop.live:
-        dispatched = eng._dispatch(n_steps, exit_on_free=waiting, pack=True, ahead=unread)
+        dispatched = eng._dispatch(n_steps, exit_on_free=waiting, pack=True, after=self.inflight)
         dispatched.queued = waiting
     if not eng.ecfg.overlap and dispatched is not None:
       self.inflight, dispatched = dispatched, None
@@ -135,6 +141,18 @@ class Stream:
         self.on_chunk(eng)
     else:
       self.inflight = dispatched
+
+  def _ends_in_flight(self) -> bool:
+    """Whether the unread chunk ends every live row: each was in it and reaches its token limit within its steps
+    (and its window). A chunk dispatched now would run no step, so none is: at a tail that saves a dispatch and a
+    read (at small batch, a large part of a sequence's time). A chunk that can end early (at a live-row floor) does
+    not count; one that ends early anyway (a stop token) leaves nothing live, or the next iteration dispatches."""
+    d, eng = self.inflight, self.engine
+    if d is None or d.floored or d.chunk is None:
+      return False
+    h, S = eng.host, eng.ecfg.page_size
+    return all(eng._epoch_B[s] == d.epoch_B[s] and h.left_B[s] <= d.steps
+               and (not d.window or h.pos_B[s] + h.left_B[s] <= d.window * S) for s in self.loop.live)
 
   def _chunk_steps(self, unread: int) -> int:
     """Steps of the next chunk: tail_chunk, doubled up to max_chunk while the longest live row has that
