@@ -59,13 +59,14 @@ def test_prompt_plus_new_tokens_over_the_position_limit(tmp_path, model):
 
 
 def test_stop_strings_end_a_completion(tmp_path, model):
-  """Before: there was no --stop flag (absl rejected it)."""
+  """Before: there was no --stop flag (absl rejected it). The engine's log line names the read --read chose."""
   p = _prompts(tmp_path / "in.jsonl", ["abcabc", "hello"])
   out = tmp_path / "o.jsonl"
   # --read=window in both runs: the stop cut is applied after generation, whatever the read
   r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12",
            "--read=window")
   assert r.returncode == 0, r.stderr[-3000:]
+  assert "decode read window" in r.stderr, r.stderr[-3000:]  # the flag reaches the engine
   full = [json.loads(line) for line in out.read_text().splitlines()]
   stop = full[0]["text"][3:5]
   r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12",

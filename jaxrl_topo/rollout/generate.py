@@ -111,6 +111,8 @@ def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_
                       max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,
                       pad_id=decode.pad_id, impl=read)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
+  logging.info("rollout engine: %d slots, %d pages of %d tokens, decode read %s", n_slots, ecfg.n_pages, page_size,
+               engine.impl)
   bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
 
   def progress_bar(eng) -> None:
