@@ -21,7 +21,7 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
-from jaxrl_topo.rollout.paged import IMPLS
+from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).",
@@ -41,10 +41,7 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the batch).")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
-_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS],
-                          "The engine's paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU, else "
-                          "bucketed; window = faster on CPU at small batch and short contexts (last bits depend on "
-                          "chunk ends).")
+_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
 
 
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):

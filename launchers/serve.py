@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxrl_topo import cli
+from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run of launchers/train.py: serve its newest checkpoint.")
@@ -38,6 +39,7 @@ _FOLLOW = flags.DEFINE_float("follow_s", 0.0, "With --workdir: every N seconds, 
                              "checkpoint if it is newer (gen_id = its step); 0 = serve one checkpoint.")
 _POLICY = flags.DEFINE_enum("policy", "finish_on_old", ["keep_kv", "finish_on_old", "abort_and_resume"],
                             "How a hot weight swap lands (JetStreamEngine.swap_weights).")
+_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -48,7 +50,8 @@ def main(argv: Sequence[str]) -> None:
   server.require_jetstream()
   sc = server.ServeConfig(slots=_SLOTS.value, max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
                           decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
-                          greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value)
+                          greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value,
+                          read=_READ.value)
   server.check_port(_PORT.value)  # before loading anything
   if _FOLLOW.value and not _WORKDIR.value:
     raise ValueError("--follow_s needs --workdir (a run whose new checkpoints to serve)")
@@ -57,7 +60,7 @@ def main(argv: Sequence[str]) -> None:
   js_engine, _ = server.build_engine(model_dir, sc, gen_id=step or 0)
   srv = server.start(js_engine, _PORT.value)
   print(f"serving {model_dir} on port {_PORT.value}, all interfaces (localhost:{_PORT.value} here; {sc.slots} slots, "
-        f"data={sc.data} x tensor={sc.tensor}); "
+        f"data={sc.data} x tensor={sc.tensor}, decode read {js_engine.engine.impl}); "
         "Ctrl-C or SIGTERM stops", flush=True)
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (a stuck server)
   stop = threading.Event()

@@ -172,14 +172,33 @@ def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
     assert all(v == "new" for v in versions[8:]), f"requests sent after the swap must be answered by it: {versions}"
 
 
+def test_the_decode_read_is_a_serve_config_key(model_dir, served):
+  """ServeConfig.read (launchers/serve.py --read): the engine decodes through it, and greedy answers equal the
+  default read's; an unknown read is refused before anything loads."""
+  one_device, _, _ = served
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, read="window"))
+  assert js_engine.engine.impl == "window" and one_device.engine.impl == "bucketed"
+  port = server.free_port()
+  srv = server.start(js_engine, port)
+  try:
+    stub = client.connect(port)
+    prompts = _prompts(4, js_engine.engine.cfg.vocab_size, seed=5)
+    got = [_ask(stub, p) for p in prompts]
+  finally:
+    srv.stop()
+  assert got == _reference(one_device, one_device.engine.params, prompts)
+  with pytest.raises(ValueError, match="read='paged'"):
+    server.ServeConfig(read="paged")
+
+
 def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
   launcher = [sys.executable, os.path.join(ROOT, "launchers", "serve.py")]
   r = subprocess.run([*launcher, f"--model={tmp_path / 'nope'}"], capture_output=True, text=True, timeout=120)
   assert r.returncode != 0 and "no config.json" in r.stderr + r.stdout
   port = server.free_port()
   log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - a file, not a pipe nobody reads while it serves
-  proc = subprocess.Popen([*launcher, f"--model={model_dir}", f"--port={port}", "--slots=4", "--max_len=64"],
-                          stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  proc = subprocess.Popen([*launcher, f"--model={model_dir}", f"--port={port}", "--slots=4", "--max_len=64",
+                           "--read=window"], stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
   def output() -> str:
     log.seek(0)
@@ -189,6 +208,7 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
     stub = client.connect(port)
     client.wait_live(stub, proc=proc, log=log, timeout_s=180)
     assert len(_ask(stub, [5, 6, 7], max_tokens=4)) <= 4
+    assert "decode read window" in output()  # --read reaches the engine
     busy = subprocess.run([*launcher, f"--model={model_dir}", f"--port={port}"], capture_output=True, text=True,
                           timeout=180)
     assert busy.returncode != 0 and f"--port={port} is busy" in busy.stderr + busy.stdout

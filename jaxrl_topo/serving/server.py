@@ -84,11 +84,16 @@ class ServeConfig:
   temperature: float = 1.0
   seed: int = 0
   policy: str = "finish_on_old"  # how a hot weight swap lands
+  read: str = "auto"  # the engine's paged decode read (EngineConfig.impl; rollout/paged.py)
 
   def __post_init__(self):
+    from jaxrl_topo.rollout.paged import IMPLS
+
     for name in ("slots", "max_len", "max_new_tokens", "page_size", "decode_chunk", "data", "tensor"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.read not in ("auto", *IMPLS):
+      raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
     if self.slots % self.data:
       raise ValueError(f"slots={self.slots} must split over data={self.data}")
 
@@ -171,7 +176,7 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   max_len -= max_len % sc.page_size
   ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
                       max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
-                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature))
+                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature), impl=sc.read)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, gen_id=gen_id, seed=sc.seed, mesh=mesh,
                          detokenize=tokenizer.decode if tokenizer else None)
   return JetStreamEngine(engine, tokenizer=tokenizer, max_new_tokens=sc.max_new_tokens, policy=sc.policy), tokenizer
