@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine import _engine, _prompts, _tiny_params
+from test_engine import SAMPLED, TINY, _detok, _engine, _prompts, _tiny_params
 
 from jaxrl_topo.rollout import engine as engine_lib
-from jaxrl_topo.rollout.engine import Request
+from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,33 @@ def test_a_window_after_an_unread_chunk_is_no_wider_than_that_chunk_lets_rows_re
   assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 40
   np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=1e-5)
   assert windows == [2, 4, 16] and eng.stats["chunks"] == 3, (windows, dict(eng.stats))
+
+
+def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch):
+  """impl "window": request X is cut by a stop string while its 32-step chunk is still unread; request Z (2-token
+  prompt, 6 tokens) then takes the slot. Z's first window is 2 pages, what Z can reach. The idle second slot (no
+  sequence since before that chunk) once counted as if that chunk had moved it 32 tokens on: 16 pages."""
+  graphdef, params = tiny
+  x_prompt = [5, 17, 42]
+  text = _detok(_engine(graphdef, params, n_slots=2, eos_ids=()).run([Request(x_prompt, max_new_tokens=55)])[0].tokens)
+  k = next(k for k in range(14, 52) if text.find(text[k:k + 4]) == k)  # a stop string first seen at token k + 4
+  z = Request([7, 9], max_new_tokens=6)
+  windows = []
+  generate = engine_lib.generate
+
+  def spy(*args, **kw):
+    windows.append((kw["window_pages"], eng._epoch_B.tolist()))
+    return generate(*args, **kw)
+
+  monkeypatch.setattr(engine_lib, "generate", spy)
+  cfg = EngineConfig(n_slots=2, page_size=4, n_pages=64, max_len=64, decode_chunk=4, tail_chunk=8, max_chunk=32,
+                     sampling=SAMPLED, eos_ids=(), impl="window")
+  eng = RolloutEngine(graphdef, TINY, params, cfg, detokenize=_detok)
+  with eng.stream(on_group=lambda tag, r, s: st.add([z], "z") if tag == "x" else None) as st:
+    st.add([Request(x_prompt, max_new_tokens=55, stop_strings=(text[k:k + 4],))], "x")
+    assert st.run_until("x")[0].finish_reason == "stop"
+    got = st.run_until("z")
+  monkeypatch.undo()
+  assert got[0].tokens == _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run([z])[0].tokens
+  z_windows = [w for w, epochs in windows if epochs[0] > 1]  # dispatches after Z took slot 0
+  assert z_windows and z_windows[0] == 2, windows

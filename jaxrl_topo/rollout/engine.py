@@ -267,23 +267,25 @@ class RolloutEngine:
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
-                       steps=n_steps, window=window, floored=bool(floor_D.max() > 1))
+                       steps=n_steps, window=window, floored=bool(floor_D.max() > 1), live_B=self.host.active_B.copy())
 
   def _window_pages(self, n_steps: int, after: _Dispatched | None) -> int:
     """impl "window": pages, a power of two (at most M), holding the next position any row can write; 0 for the
-    other reads. Positions are the host's (every slot's tokens so far) plus the unread chunk `after`'s steps, but
-    no further than that chunk's own window: it ended any row at its edge. The chunk ends when a live row outgrows
-    the window (device.generate). Twice that width when the doubled window holds every live row's writes for the
-    whole chunk (its n_steps, or to the row's token limit): a chunk ending at the edge costs a host round trip,
-    more than one doubling of the width costs over the steps it saves at small batch (not at large batch)."""
+    other reads. A bound from the host's counts (every slot's tokens so far): a row live in the unread chunk
+    `after` may be up to its steps further on, but no further than that chunk's own window (its guard stops rows
+    at the edge). The chunk ends when a live row outgrows the window (device.generate). Doubled when this width
+    falls short of the chunk's writes (its n_steps, or to each row's token limit) and the doubled one holds them
+    all: a chunk ending at the edge costs a host round trip, more, at small batch, than the wider reads of the
+    steps it saves (tests/test_engine_chunks.py checks the widths chosen)."""
     if self.impl != "window":
       return 0
     S, M, h = self.ecfg.page_size, self.ecfg.max_pages_per_seq, self.host
     ahead, edge, ran = 0, 0, np.zeros(self.ecfg.n_slots, bool)
-    if after is not None:  # rows in it (same sequence in the slot) end it at most `ahead` steps on, not past its edge
-      ahead, edge, ran = after.steps, after.window * S or np.iinfo(np.int32).max, self._epoch_B == after.epoch_B
+    if after is not None:  # rows live in it (same sequence still in the slot) advance at most its steps, to its edge
+      ahead, edge = after.steps, after.window * S or np.iinfo(np.int32).max
+      ran = (self._epoch_B == after.epoch_B) & after.live_B
 
-    def after_B(pos_B):  # positions once the unread chunk has run (a row it never advanced keeps its own)
+    def after_B(pos_B):  # positions once the unread chunk has run (a slot it did not decode keeps its own)
       return np.where(ran, np.maximum(pos_B, np.minimum(pos_B + ahead, edge)), pos_B)
 
     tight = min(M, _pow2(int(after_B(self.pool.lengths()).max()) // S + 1))

@@ -24,11 +24,12 @@ Five read paths, chosen by the static `impl`:
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
              with an online (flash-style) fp32 softmax masked per row beyond its own position.
   window     for a decode chunk (device.generate): each row's first n pages of every layer are gathered once,
-             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n: the
-             fewest pages, a power of two or M, holding the next position any slot's row can write, or twice
-             that where the doubled width holds every write of the chunk (RolloutEngine._window_pages); the
-             chunk ends before a row outgrows them). Each step appends its token's K/V there (and to the pool) and
-             reads them in place, the kv head leading both dots, so no step gathers. On a 2-core CPU this removed
+             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n: a
+             power of two or M, the fewest pages holding a bound on the next position any slot's row can
+             write, or twice that where the doubled width holds every write of the chunk
+             (RolloutEngine._window_pages); the chunk ends before a row outgrows them). Each step appends its
+             token's K/V there (and to the pool) and reads them in place, the kv head leading both dots, so no
+             step gathers. On a 2-core CPU this removed
              most of the read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: a
              row's last bits depend on n, which follows the longest row any slot holds and where chunks end, so
              two runs that chunk differently (a mux group and its solo runs) differ in the last bits (hence not

@@ -1,9 +1,11 @@
 """The continuous-batching loop of `RolloutEngine.run`: admission waves, chunk pipelining, retirement.
 
-One iteration: land a pending weight update (under its policy), admit queued groups into free slots
-(host bookkeeping only), reserve pages for the next chunk (preempting the youngest sequences when
-the pool runs out), dispatch the next chunk (the admission wave's prefills and any host changes go
-out with it), and only then read back and process the PREVIOUS chunk's tokens. So the device decodes
+One iteration: land a pending weight update (under its policy), admit queued groups into free slots,
+send the admission wave's prefills (the next chunk's pages reserved first when they fit without
+preempting, so the prefill carries the page table that chunk reads), reserve pages for the next chunk
+(preempting the youngest sequences when the pool runs out), dispatch the next chunk (any other host
+changes go out with it; no chunk when the unread one ends every live row), and only then read back and
+process the PREVIOUS chunk's tokens. So the device decodes
 chunk k+1 while the host appends chunk k's tokens, checks stop strings and refills slots, and each
 chunk costs one blocking read. The price: a sequence that ends in chunk k is seen ending one chunk
 late, so its slot idles (no attention work) through chunk k+1, and an update requested after chunk k
@@ -105,7 +107,8 @@ class Stream:
       self._iterate()
 
   def _iterate(self) -> None:
-    """One iteration: land weights, admit, reserve, dispatch chunk k+1, then read chunk k."""
+    """One iteration: land weights, admit and prefill, reserve, dispatch chunk k+1 (unless chunk k ends every live
+    row), then read chunk k."""
     eng, loop = self.engine, self.loop
     if loop.waiting:  # block only when nothing else can move
       self._replies(block=not (loop.live or loop.queue or loop.pinned or self.inflight is not None))
@@ -143,15 +146,16 @@ class Stream:
       self.inflight = dispatched
 
   def _ends_in_flight(self) -> bool:
-    """Whether the unread chunk ends every live row: each was in it and reaches its token limit within its steps
-    (and its window). A chunk dispatched now would run no step, so none is: at a tail that saves a dispatch and a
-    read (at small batch, a large part of a sequence's time). A chunk that can end early (at a live-row floor) does
-    not count; one that ends early anyway (a stop token) leaves nothing live, or the next iteration dispatches."""
+    """Whether the unread chunk ends every live row: each was live in it (same sequence in the slot) and reaches
+    its token limit within its steps (and its window). A chunk dispatched now would run no step, so none is: at a
+    tail that saves a dispatch and a read (at small batch, a large part of a sequence's time). A chunk that can
+    end early at a live-row floor > 1 does not count. Where a row ends it early anyway (a stop token, or a stop
+    string the host cut), nothing is lost: the row is not live after the read, or the next iteration dispatches."""
     d, eng = self.inflight, self.engine
     if d is None or d.floored or d.chunk is None:
       return False
     h, S = eng.host, eng.ecfg.page_size
-    return all(eng._epoch_B[s] == d.epoch_B[s] and h.left_B[s] <= d.steps
+    return all(eng._epoch_B[s] == d.epoch_B[s] and d.live_B[s] and h.left_B[s] <= d.steps
                and (not d.window or h.pos_B[s] + h.left_B[s] <= d.window * S) for s in self.loop.live)
 
   def _chunk_steps(self, unread: int) -> int:
