@@ -176,12 +176,6 @@ def test_a_tail_sends_no_chunk_that_would_run_no_step(tiny):
   assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 20
   stats = eng.stats
   assert (stats["chunks"], stats["host_reads"], stats["uploads"]) == (1, 1, 1), dict(stats)
-  # Four rows of one length in four slots: the chunk would end once its live rows fit half its batch (a floor of
-  # 3), but all four reach the last step together, so it runs them to the end and again nothing more is sent.
-  four = [Request(p, max_new_tokens=20) for p in _prompts(4, seed=12, max_len=6)]
-  eng = _engine(graphdef, params, n_slots=4, tail_chunk=8, max_chunk=32, eos_ids=())
-  assert [s.tokens for s in eng.run(four)] == [s.tokens for s in _engine(graphdef, params, eos_ids=()).run(four)]
-  assert (eng.stats["chunks"], eng.stats["host_reads"]) == (1, 1), dict(eng.stats)
 
 
 def test_a_window_after_an_unread_chunk_is_no_wider_than_that_chunk_lets_rows_reach(tiny, monkeypatch):

@@ -267,7 +267,7 @@ class RolloutEngine:
     self.state, chunk = out[0], out[1:]
     firsts, self._unread = self._unread, []
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
-                       steps=n_steps, window=window, floor_D=floor_D, live_B=self.host.active_B.copy())
+                       steps=n_steps, window=window, floored=bool(floor_D.max() > 1), live_B=self.host.active_B.copy())
 
   def _window_pages(self, n_steps: int, after: _Dispatched | None) -> int:
     """impl "window": pages, a power of two (at most M), holding the next position any row can write; 0 for the

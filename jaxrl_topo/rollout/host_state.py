@@ -64,7 +64,7 @@ class _Dispatched:
   steps: int = 0  # decode steps the chunk was dispatched for (its outputs have EngineConfig.chunk_capacity rows)
   window: int = 0  # impl "window": its window's pages (a live row ends the chunk at their edge)
   live_B: np.ndarray | None = None  # the host's live slots when it was dispatched (a superset of the device's)
-  floor_D: np.ndarray | None = None  # it also ends once a data shard's live rows fall below this (live_floor_D)
+  floored: bool = False  # it also ends once a shard's live rows fall below a floor > 1 (generate's live_floor_D)
 
 
 def _pow2(n: int) -> int:

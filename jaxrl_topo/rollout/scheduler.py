@@ -147,23 +147,16 @@ class Stream:
 
   def _ends_in_flight(self) -> bool:
     """Whether the unread chunk ends every live row: each was live in it (same sequence in the slot) and reaches
-    its token limit within its steps (and its window), and the chunk runs that long: it stops early once a data
-    shard's live rows fall below its floor (generate's live_floor_D), so the rows reaching the shard's last step
-    must be at least that many. A chunk dispatched now would run no step, so none is: at a tail that saves a
-    dispatch and a read (at small batch, a large part of a sequence's time). Where a row ends it early anyway (a
-    stop token, or a stop string the host cut), nothing is lost: the row is not live after the read, or the next
-    iteration dispatches."""
+    its token limit within its steps (and its window). A chunk dispatched now would run no step, so none is: at a
+    tail that saves a dispatch and a read (at small batch, a large part of a sequence's time). A chunk that can
+    end early at a live-row floor > 1 does not count. Where a row ends it early anyway (a stop token, or a stop
+    string the host cut), nothing is lost: the row is not live after the read, or the next iteration dispatches."""
     d, eng = self.inflight, self.engine
-    if d is None or d.chunk is None:
+    if d is None or d.floored or d.chunk is None:
       return False
     h, S = eng.host, eng.ecfg.page_size
-    if not all(eng._epoch_B[s] == d.epoch_B[s] and d.live_B[s] and h.left_B[s] <= d.steps
-               and (not d.window or h.pos_B[s] + h.left_B[s] <= d.window * S) for s in self.loop.live):
-      return False
-    left_D: dict[int, list[int]] = collections.defaultdict(list)
-    for s in self.loop.live:
-      left_D[eng.pool.shard_of_slot(s)].append(int(h.left_B[s]))
-    return all(lefts.count(max(lefts)) >= d.floor_D[shard] for shard, lefts in left_D.items())
+    return all(eng._epoch_B[s] == d.epoch_B[s] and d.live_B[s] and h.left_B[s] <= d.steps
+               and (not d.window or h.pos_B[s] + h.left_B[s] <= d.window * S) for s in self.loop.live)
 
   def _chunk_steps(self, unread: int) -> int:
     """Steps of the next chunk: tail_chunk, doubled up to max_chunk while the longest live row has that
