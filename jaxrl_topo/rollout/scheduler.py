@@ -118,14 +118,15 @@ class Stream:
     # at the first slot that frees (the host refills it at once), else after decode_chunk steps; in the
     # tail, long chunks (fewer host round trips; steps past every row's end are skipped).
     unread = self.inflight.steps if self.inflight is not None else 0
-    if eng._pending is None:  # finish_on_old: admit nothing until the old weights are done
+    admit = eng._pending is None  # finish_on_old: admit nothing until the old weights are done
+    if admit:
       loop.fill(unread + eng.ecfg.decode_chunk)
     n_steps = self._chunk_steps(unread)
-    if eng._pending is None:
+    if admit:
       # The wave's prefills, before reserve() may preempt (free) one of its slots. When the next chunk's pages
       # fit without preempting, they are taken first: the prefill then carries the page table that chunk reads,
       # and no patch has to follow it.
-      if loop.live and eng.pool.fits({s: int(min(unread + n_steps, eng.host.left_B[s])) for s in loop.live}):
+      if loop.live and eng.pool.fits(loop.needs(unread + n_steps)):
         loop.reserve(unread + n_steps)
       eng._flush()
     waiting = bool(loop.queue or loop.pinned)
@@ -152,7 +153,7 @@ class Stream:
     end early at a live-row floor > 1 does not count. Where a row ends it early anyway (a stop token, or a stop
     string the host cut), nothing is lost: the row is not live after the read, or the next iteration dispatches."""
     d, eng = self.inflight, self.engine
-    if d is None or d.floored or d.chunk is None:
+    if d is None or d.floored:
       return False
     h, S = eng.host, eng.ecfg.page_size
     return all(eng._epoch_B[s] == d.epoch_B[s] and d.live_B[s] and h.left_B[s] <= d.steps
@@ -170,10 +171,8 @@ class Stream:
     hooked = self.on_chunk is not None and getattr(self.on_chunk, "needs_boundaries", True)
     if hooked or self.turns is not None or eng._pending is not None or not loop.live:
       return n
-    left = {s: int(eng.host.left_B[s]) for s in loop.live}
-    longest = max(left.values())
-    while 2 * n <= eng.ecfg.max_chunk and n < longest and eng.pool.fits(
-        {s: min(unread + 2 * n, k) for s, k in left.items()}):
+    longest = max(int(eng.host.left_B[s]) for s in loop.live)
+    while 2 * n <= eng.ecfg.max_chunk and n < longest and eng.pool.fits(loop.needs(unread + 2 * n)):
       n *= 2
     return n
 
@@ -339,13 +338,17 @@ class _Loop:
     if not self.left[r]:
       self.on_finished(r)
 
+  def needs(self, lookahead: int) -> dict[int, int]:
+    """{live slot: tokens its next `lookahead` steps write}: no more than it has left."""
+    return {s: int(min(lookahead, self.engine.host.left_B[s])) for s in self.live}
+
   def reserve(self, lookahead: int) -> None:
     """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
-    eng = self.engine
+    eng, need = self.engine, self.needs(lookahead)
     for slot in list(self.live):
       while slot in self.live:
         try:
-          eng.pool.ensure_capacity(slot, int(min(lookahead, eng.host.left_B[slot])))
+          eng.pool.ensure_capacity(slot, need[slot])
           break
         except OutOfPages as err:
           if self.pinned:  # pinned prompts go first: their samples can be prefilled again
