@@ -29,8 +29,8 @@ Five read paths, chosen by the static `impl`:
              write, or twice that where the doubled width holds every write of the chunk
              (RolloutEngine._window_pages); the chunk ends before a row outgrows them). Each step appends its
              token's K/V there (and to the pool) and reads them in place, the kv head leading both dots, so no
-             step gathers. On a 2-core CPU this removed
-             most of the read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: a
+             step gathers. On a 2-core CPU this removed most of the read's cost at small batch and short
+             contexts (benchmarks/RESULTS.md). Its prices: a
              row's last bits depend on n, which follows the longest row any slot holds and where chunks end, so
              two runs that chunk differently (a mux group and its solo runs) differ in the last bits (hence not
              the default, and refused under a mux group's run.deterministic); one decode program per (rows, n)
