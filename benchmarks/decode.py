@@ -7,7 +7,8 @@
   python benchmarks/decode.py --workload=fixed --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 \
       --prompt_len=128 --new_tokens=256 --repeats=5 --impl=dense,paged:pallas,paged:bucketed
                         # the H100 target (MBU >= 60% at batch 256), the Pallas kernel and the XLA read side by side
-                        # (measured in RESULTS.md; about 2 minutes on an H100, most of it compiling)
+                        # (measured in RESULTS.md; about 2 minutes on an H100, most of it compiling); add
+                        # --profile=DIR for a per-step kernel summary of each (a 'decode_profile' line)
   python benchmarks/decode.py --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 --median_len=256 \
       --prompt_len=128 --kv_budget_gb=40 --impl=dense,paged:pallas --repeats=1
                         # the same on the long-tail workload (allow several minutes: one compile per live-row bucket)
@@ -191,6 +192,23 @@ def timed(runs: dict, repeats: int) -> dict:
   return {name: (statistics.median(walls[name]), walls[name], results[name]) for name in runs}
 
 
+def profile_once(once, trace_dir: str, impl: str, batch: int, steps: int, common: dict):
+  """One more (warm) run of `once` under jax.profiler, summarized per decode step: a 'decode_profile' line."""
+  from trace_summary import summarize  # noqa: PLC0415 (only --profile needs it; this script's folder is on sys.path)
+
+  t0 = time.perf_counter()
+  with jax.profiler.trace(trace_dir):
+    once()
+  wall = time.perf_counter() - t0
+  summary = summarize(trace_dir, top=40)
+  for plane in summary["planes"]:
+    for row in plane["lines"] + plane["top"] + plane["top_ops"]:
+      row["per_step_us"] = 1e6 * row["sum_s"] / steps
+  print(json.dumps({"bench": "decode_profile", "impl": impl, "batch": batch, "decode_steps": steps,
+                    "traced_wall_s": wall, "step_us": 1e6 * wall / steps, **summary,
+                    **{k: common[k] for k in ("device", "jax", "date", "preset", "dtype")}}), flush=True)
+
+
 def engine_rates(stats, tokens: int) -> dict:
   """Host syncs and uploads per 1000 generated tokens, and slot occupancy, from an engine's stats."""
   return {"host_reads_per_1k": 1000 * stats.get("host_reads", 0) / max(tokens, 1),
@@ -270,6 +288,9 @@ def main():
   parser.add_argument("--copy_mb", type=float, default=512.0 if on_gpu else 64.0, help="array size of the copy test")
   parser.add_argument("--repeats", type=int, default=None, help="timed runs (median reported); default 3, fixed 20")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--profile", default=None, help="after the timed runs, trace one more run of each impl into "
+                      "DIR/<impl>-<batch> (jax.profiler) and print a 'decode_profile' line: device time by line and "
+                      "the top kernels (benchmarks/trace_summary.py)")
   args = parser.parse_args()
   impls = args.impl.split(",")
   known = {"dense", "paged", *(f"paged:{r}" for r in IMPLS)}
@@ -312,8 +333,9 @@ def main():
     prompts = rng.integers(0, cfg.vocab_size, (n_seqs, args.prompt_len)).tolist()
     kv_useful = useful_kv_tokens(lengths, args.prompt_len) * per_tok
     work = (graphdef, cfg, params, prompts, lengths, args, batch, sampling)
-    timings = timed({impl: dense_runner(*work) if impl == "dense"
-                     else paged_runner(*work, read=impl.partition(":")[2] or "auto") for impl in impls}, args.repeats)
+    runs = {impl: dense_runner(*work) if impl == "dense" else paged_runner(*work, read=impl.partition(":")[2] or "auto")
+            for impl in impls}
+    timings = timed(runs, args.repeats)
     rows = {impl: timings[impl][2][0] / timings[impl][0] for impl in impls}  # tokens / median wall
     for impl in impls:
       wall, walls, (tokens, steps, stats) = timings[impl]
@@ -331,6 +353,8 @@ def main():
               "prefills": stats.get("prefills", 0),
               "preemptions": stats.get("preemptions", 0), **engine_rates(stats, tokens)} if impl != "dense" else {}),
       }), flush=True)
+      if args.profile:
+        profile_once(runs[impl], f"{args.profile}/{impl.replace(':', '-')}-{batch}", impl, batch, steps, common)
 
 
 if __name__ == "__main__":
