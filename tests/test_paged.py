@@ -14,6 +14,7 @@ import pytest
 from jaxrl_topo.models.layers import DenseKVCache
 from jaxrl_topo.models.model import forward, init_params
 from jaxrl_topo.models.presets import get_preset
+from jaxrl_topo.rollout import pallas_paged
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
 
@@ -78,7 +79,8 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
                          fold_heads=fold_heads)
     if impl == "window":  # a power of two (or M) of pages covering every row's position, as a chunk opens it
       n = min(M, 1 << (int((table >= 0).sum(axis=1).max()) - 1).bit_length())
-      return jax.jit(lambda c: c.open_window(n, jnp.float32).attend(1, q, k_new, v_new, pos))(cache)
+      opened = lambda c: c.open_window(n, jnp.float32, jnp.asarray(pos[:, 0]))  # noqa: E731
+      return jax.jit(lambda c: opened(c).attend(1, q, k_new, v_new, pos))(cache)
     return jax.jit(lambda c: c.attend(1, q, k_new, v_new, pos))(cache)
 
   (fast, fast_cache), (ref, ref_cache), (buck, buck_cache) = run("fast"), run("reference"), run("bucketed")
@@ -241,7 +243,7 @@ def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
                        page_size=S, impl=impl, fold_heads=fold_heads)
   q = jax.random.normal(jax.random.key(4), (2, 1, CFG.n_heads, CFG.head_dim))
   new = jnp.ones((2, 1, CFG.n_kv_heads, CFG.head_dim))
-  opened = (lambda c: c.open_window(2, jnp.float32)) if impl == "window" else (lambda c: c)
+  opened = (lambda c: c.open_window(2, jnp.float32, jnp.asarray([0, 5]))) if impl == "window" else (lambda c: c)
   out, got = jax.jit(lambda c: opened(c).attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)
   if impl == "window":  # the idle row's window is as gathered; the live row's has the new token at column 5
     np.testing.assert_array_equal(got.window_k[1][0], jnp.asarray(k_pool)[1, jnp.asarray([2, 4])].reshape(
@@ -256,6 +258,34 @@ def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
   np.testing.assert_allclose(out[1], ref[1], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl, fold_heads, T", [("fast", False, 1), ("bucketed", False, 1), ("bucketed", True, 1),
+                                                 ("pallas", False, 1), ("window", False, 1), ("reference", False, 1),
+                                                 ("reference", False, 3)])
+def test_a_non_finite_value_a_row_cannot_see_leaves_it_untouched(impl, fold_heads, T):
+  """Stale slots past a row's position and page 0 (read for unassigned pages) hold other sequences' K/V. An inf
+  or NaN there gets weight exactly 0, yet 0 * inf = NaN would poison every row reading the page: the output
+  must equal, bit for bit, the one over a finite pool (decode T = 1, and prefill T = 3 through reference)."""
+  S, P, L, K, H = 4, 6, CFG.n_layers, CFG.n_kv_heads, CFG.head_dim
+  k_pool = jax.random.normal(jax.random.key(5), (L, P, S, K, H))
+  v_pool = jax.random.normal(jax.random.key(6), (L, P, S, K, H))
+  table = jnp.asarray([[2, 3, -1, -1], [4, -1, -1, -1]], jnp.int32)  # row 0 at position 6, row 1 at 2
+  pos = jnp.asarray([[6], [2]], jnp.int32) + (jnp.arange(T) - (T - 1))[None, :]
+  q = jax.random.normal(jax.random.key(7), (2, T, CFG.n_heads, H))
+  new = jax.random.normal(jax.random.key(8), (2, T, K, H))
+  opened = (lambda c: c.open_window(2, jnp.float32, pos[:, 0])) if impl == "window" else (lambda c: c)
+
+  def read(k, v):
+    cache = PagedKVCache(k_LPSKH=k, v_LPSKH=v, table_BM=table, page_size=S, impl=impl, fold_heads=fold_heads)
+    return np.asarray(jax.jit(lambda c: opened(c).attend(1, q, new, new, pos)[0])(cache))
+
+  # Row 0's slot 3 of page 3 and row 1's of page 4 are past their positions; page 0 is nobody's here.
+  bad_v = v_pool.at[1, 3, 3].set(jnp.nan).at[1, 4, 3].set(jnp.inf).at[1, 0].set(-jnp.inf)
+  bad_k = k_pool.at[1, 3, 3].set(jnp.inf).at[1, 0].set(jnp.nan)
+  want, got = read(k_pool, v_pool), read(bad_k, bad_v)
+  assert np.isfinite(want).all()
+  np.testing.assert_array_equal(got, want)
+
+
 def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   """resolve_impl's GPU branch, its trial run in interpret mode: a trial that cannot call the XLA read it
   compares against (any exception there means "bucketed") would silently turn the GPU kernel off."""
@@ -266,6 +296,30 @@ def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   assert resolve_impl("auto", qwen_group, 16, backend="gpu") == "pallas"
   assert resolve_impl("auto", cfg, 12, backend="gpu") == "bucketed"  # pages of 12 slots: not a power of two
   assert resolve_impl("auto", dataclasses.replace(cfg, head_dim=8), 16, backend="gpu") == "bucketed"  # H < 16
+
+
+def test_auto_read_raises_our_bugs_and_names_why_it_falls_back(monkeypatch, caplog):
+  """A trial that fails because our code is wrong (a TypeError) is raised, not read as "no kernel on this GPU";
+  a lowering failure or a disagreeing kernel falls back to bucketed with a warning that says why."""
+  cfg = dataclasses.replace(CFG, n_heads=16, n_kv_heads=1, head_dim=16)
+
+  def fails(exc):
+    def trial(*args, **kwargs):
+      raise exc
+    return trial
+
+  monkeypatch.setattr(pallas_paged, "decode_attention", fails(TypeError("unexpected keyword argument")))
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    resolve_impl("auto", cfg, 16, backend="gpu")
+  monkeypatch.setattr(pallas_paged, "decode_attention", fails(NotImplementedError("no Triton lowering for x")))
+  with caplog.at_level("WARNING"):
+    assert resolve_impl("auto", cfg, 16, backend="gpu") == "bucketed"
+  assert "NotImplementedError: no Triton lowering for x" in caplog.text
+  caplog.clear()
+  monkeypatch.setattr(pallas_paged, "decode_attention", lambda q, *args, **kwargs: jnp.zeros_like(q) + 1.0)
+  with caplog.at_level("WARNING"):
+    assert resolve_impl("auto", cfg, 16, backend="gpu") == "bucketed"
+  assert "differs from the XLA read" in caplog.text
 
 
 @pytest.mark.parametrize("dtype, atol, pages_per_trip", [(jnp.float32, 2e-5, None), (jnp.bfloat16, 3e-2, None),

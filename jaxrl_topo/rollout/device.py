@@ -280,7 +280,8 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
   """Up to n_steps (<= capacity) decode steps of every row of `state` (its batch, packed or not)."""
   model = _merge(graphdef, params, sharded)
   if window_pages:
-    state = state.replace(cache=state.cache.open_window(window_pages, jnp.dtype(model.cfg.dtype)))
+    state = state.replace(cache=state.cache.open_window(window_pages, jnp.dtype(model.cfg.dtype),
+                                                        jnp.where(state.active_B, state.pos_B, 0)))
 
   def step(carry):
     i, state, tokens_KB, logprobs_KB, emitted_KB = carry

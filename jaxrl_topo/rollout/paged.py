@@ -125,18 +125,22 @@ class PagedKVCache:
     v = self.v_LPSKH.at[layer, page_BT, slot_BT].set(v_BTKH.astype(self.v_LPSKH.dtype), mode="drop")
     return self.replace(k_LPSKH=k, v_LPSKH=v)
 
-  def open_window(self, n_pages: int, dtype) -> PagedKVCache:
+  def open_window(self, n_pages: int, dtype, written_B) -> PagedKVCache:
     """impl "window": gathers every row's first `n_pages` pages of each layer once, into per-layer
     [B, K, n_pages*S, H] arrays of `dtype` (the compute dtype). Decode steps then append to them and read them in
-    place; the caller covers every page a row may touch while the window is open (device.generate)."""
+    place; the caller covers every page a row may touch while the window is open (device.generate). Values at
+    columns >= `written_B` (each row's next write; stale or unassigned there) are zeroed once here, so the steps'
+    reads need no mask on them (see `_zero_hidden`)."""
     pages_Bn = jnp.maximum(self.table_BM[:, :n_pages], 0)  # unassigned: page 0, never visible (s <= pos)
+    B, n = pages_Bn.shape
+    _, _, S, K, H = self.k_LPSKH.shape
+    written_B1W1 = (jnp.arange(n * S)[None, :] < written_B[:, None])[:, None, :, None]
 
-    def layers(x_LPSKH):
-      _, _, S, K, H = x_LPSKH.shape
-      B, n = pages_Bn.shape
-      return tuple(x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(0, 2, 1, 3).astype(dtype)
-                   for i in range(x_LPSKH.shape[0]))
-    return self.replace(window_k=layers(self.k_LPSKH), window_v=layers(self.v_LPSKH))
+    def layers(x_LPSKH, zero: bool):
+      xs = (x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(0, 2, 1, 3).astype(dtype)
+            for i in range(x_LPSKH.shape[0]))
+      return tuple(_zero_hidden(x, written_B1W1) if zero else x for x in xs)
+    return self.replace(window_k=layers(self.k_LPSKH, False), window_v=layers(self.v_LPSKH, True))
 
   def close_window(self) -> PagedKVCache:
     return self.replace(window_k=None, window_v=None)
@@ -180,22 +184,33 @@ def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B)
   k_BKWH, v_BKWH = put(k_BKWH, k_BTKH, new.k_LPSKH), put(v_BKWH, v_BTKH, new.v_LPSKH)
   replace = lambda ws, x: ws[:layer] + (x,) + ws[layer + 1:]  # noqa: E731
   new = new.replace(window_k=replace(new.window_k, k_BKWH), window_v=replace(new.window_v, v_BKWH))
-  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKWH, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None])
+  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKWH, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None],
+                            zero_hidden=False)  # zeroed past each row's writes when the window opened
   return out_BNH[:, None], new
 
 
-def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BKWH"):
+def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BKWH", zero_hidden: bool = True):
   """Masked softmax attention of one query per head, the kv head a batch dimension of both dots, over keys laid
   out `keys` ("BKWH": kv head leading, as the window holds them, so the dots read them in place; "BWKH": as
-  gathered from pages); a row with no visible key gives 0."""
+  gathered from pages); a row with no visible key gives 0. `zero_hidden=False` where `v` holds no non-finite
+  value at a masked key (an open window), saving a pass over it."""
   B, N, H = q_BNH.shape
   K = k.shape[keys.index("K")]
   q_BKGH = q_BNH.reshape(B, K, N // K, H)
+  if zero_hidden:
+    v = _zero_hidden(v, mask_BW[:, None, :, None] if keys == "BKWH" else mask_BW[:, :, None, None])
   logits_BKGW = jnp.einsum(f"BKGH,{keys}->BKGW", q_BKGH, k, preferred_element_type=jnp.float32) * H**-0.5
   p_BKGW, l_BKG = _masked_softmax(logits_BKGW, mask_BW[:, None, None, :])
   out_BKGH = jnp.einsum(f"BKGW,{keys}->BKGH", p_BKGW.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
   return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+
+
+def _zero_hidden(v, visible):
+  """v with the keys no query may see set to 0. A masked key's weight is exactly 0, but 0 * inf or 0 * NaN is
+  NaN: a stale slot past a row's position, or page 0 read for an unassigned page, holds another sequence's
+  values, and one non-finite value there would poison every row that reads the page."""
+  return jnp.where(visible, v, jnp.zeros((), v.dtype))
 
 
 def _masked_softmax(logits, mask):
@@ -214,7 +229,7 @@ def _reference(q_BTNH, k_LPSKH, v_LPSKH, layer: int, table_BM, positions_BT, pag
   v_BSKH = v_LPSKH[layer, pages_BM].reshape(B, M * S, K, H).astype(q_BTNH.dtype)
   assigned_BS = jnp.repeat(table_BM >= 0, page_size, axis=1)
   mask_BTS = (jnp.arange(M * S)[None, None, :] <= positions_BT[:, :, None]) & assigned_BS[:, None, :]
-  return gqa_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+  return gqa_attention(q_BTNH, k_BSKH, _zero_hidden(v_BSKH, mask_BTS.any(axis=1)[:, :, None, None]), mask_BTS)
 
 
 def _decode_blocks(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_size: int, block_tokens: int):
@@ -241,6 +256,7 @@ def _decode_blocks(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_si
     v_BWKH = v_LPSKH[layer, jnp.maximum(pages_BC, 0)].reshape(B, C * S, K, H).astype(q_BNH.dtype)
     s_W = j * C * S + jnp.arange(C * S)
     mask_BW = (s_W[None, :] <= pos_B[:, None]) & jnp.repeat(pages_BC >= 0, S, axis=1)
+    v_BWKH = _zero_hidden(v_BWKH, mask_BW[:, :, None, None])
     logits_BKGW = jnp.einsum("BKGH,BWKH->BKGW", q_BKGH, k_BWKH, preferred_element_type=jnp.float32) * H**-0.5
     logits_BKGW = jnp.where(mask_BW[:, None, None, :], logits_BKGW, _MASKED)
     m_new_BKG = jnp.maximum(m_BKG, logits_BKGW.max(axis=-1))
@@ -301,7 +317,8 @@ def _read_folded(q_BNH, k_LPSKH, v_LPSKH, layer: int, pages_Bn, pos_B, S: int):
   """The bucketed read over pages `pages_Bn`, KV heads folded into the key axis."""
   k_BTH = _gather_folded(k_LPSKH, layer, pages_Bn, q_BNH.dtype)
   v_BTH = _gather_folded(v_LPSKH, layer, pages_Bn, q_BNH.dtype)
-  return _attend_folded(q_BNH, k_BTH, v_BTH, _folded_mask(q_BNH, pages_Bn, pos_B, k_LPSKH.shape[3], S))
+  mask_BNT = _folded_mask(q_BNH, pages_Bn, pos_B, k_LPSKH.shape[3], S)
+  return _attend_folded(q_BNH, k_BTH, _zero_hidden(v_BTH, mask_BNT.any(axis=1)[:, :, None]), mask_BNT)
 
 
 def _gather_folded(x_LPSKH, layer: int, pages_Bn, dtype):
