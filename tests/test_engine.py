@@ -7,7 +7,10 @@ batch composition, prefix sharing or preemption history.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_fixtures import FAMILY_CASES, make_hf_model
@@ -112,6 +115,30 @@ def test_grpo_group_shares_prefill_and_matches_unshared(tiny):
   assert [s.tokens for s in got] == [s.tokens for s in unshared]
   assert shared.stats["prefills"] == 1 and shared.stats["forks"] == 3
   assert len({tuple(s.tokens) for s in got}) > 1, "samples of a group should differ (independent keys)"
+
+
+def test_a_non_finite_prompt_leaves_the_other_groups_of_its_wave_alone():
+  """One prompt whose embedding is inf, prefilled in the same wave as a group of 4 that forks a partial page:
+  the group's samples equal its samples alone. (The forks' copy once depended on the whole wave's hidden states
+  being finite, so the inf prompt cancelled the copy and the forks read stale K/V as their prompt's last page.)"""
+  cfg = dataclasses.replace(TINY, tie_embeddings=False)
+  graphdef, params = init_params(cfg, jax.random.key(0))
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), params)
+  bad = 3  # token whose input embedding is inf; the group's prompt and completions never use it
+  params = {**params, "embed_tokens": params["embed_tokens"].at[bad].set(jnp.inf)}
+  group = Request([5, 9, 11, 13, 17, 19], n=4, max_new_tokens=8)  # 6 tokens: a partial page of 4 slots
+
+  def run(requests):
+    engine = _engine(graphdef, params, cfg, n_slots=8, sampling=SamplingConfig(greedy=True), eos_ids=())
+    engine.run([Request([20 + i, 30, 40, 50, 60, 70, 80], max_new_tokens=20) for i in range(8)])  # stale pages
+    return engine.run(requests)
+
+  alone = run([group])
+  assert bad not in {t for s in alone for t in s.tokens}
+  mixed = run([group, Request([bad, 4, 5, 6, 7], max_new_tokens=8)])
+  assert [s.tokens for s in mixed[:4]] == [s.tokens for s in alone]
+  np.testing.assert_array_equal([s.logprobs for s in mixed[:4]], [s.logprobs for s in alone])
+  assert not np.isfinite(mixed[4].logprobs).all()  # the inf prompt itself is not finite
 
 
 def test_stop_ids_and_gen_id_tags(tiny):

@@ -197,8 +197,12 @@ def _prefill_shard(graphdef, params, state: DecodeState, key, table_BM, tokens_G
                               table_BM=_local_pages(table_BM, n_local, sharded, -1))
   # The forks' copy-on-write reads and writes the pool after the layers' attention read it. XLA updates the
   # pool in place only if a data dependency orders those reads first, else it copies the whole pool (twice,
-  # in every prefill). Hence dst depends on h: a wave whose hidden states are not finite copies no page.
-  cache = _copy_pages(cache, src_C, jnp.where(jnp.isfinite(h_GTD).all(), dst_C, -1), sharded)
+  # in every prefill). Hence dst depends on h, through a condition that is never true (no value is both finite
+  # and NaN) but that XLA cannot fold; an optimization barrier on (dst, h) orders them too, yet XLA copies the
+  # pool then. (The condition used to be "h is not all finite": one non-finite prompt cancelled every fork of
+  # the wave, and the other groups' samples read stale K/V where their prompt's last page should have been.)
+  never = jnp.isfinite(h_GTD).all() & jnp.isnan(h_GTD).any()
+  cache = _copy_pages(cache, src_C, jnp.where(never, -1, dst_C), sharded)
   len_N = start_G[prompt_N] + lengths_G[prompt_N]  # the sampled token's position
   tok_N, lp_N = sample_tokens(logits_GV[prompt_N], sequence_keys(key, seq_N, len_N), sampling)
   active_N = (left_N > 0) & ~_stops(tok_N, stop_NX, eos_ids)
