@@ -298,9 +298,30 @@ def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   assert resolve_impl("auto", dataclasses.replace(cfg, head_dim=8), 16, backend="gpu") == "bucketed"  # H < 16
 
 
+def test_the_kernel_masks_unassigned_pages_and_pages_past_the_table():
+  """The Pallas kernel (interpret mode) against the XLA reads where the table has a hole below the row's position
+  (-1: page 0, here inf, is read in its place) and where the position lies past the table's M pages (the clamped
+  index would re-read page M - 1)."""
+  S, P, H = 4, 6, CFG.head_dim
+  k = jax.random.normal(jax.random.key(0), (1, P, S, 1, H))
+  v = jax.random.normal(jax.random.key(1), (1, P, S, 1, H))
+  q = jax.random.normal(jax.random.key(2), (1, 1, 2, H))
+  new = jnp.ones((1, 1, 1, H))
+
+  def read(impl, table, pos, v_pool):
+    cache = PagedKVCache(k_LPSKH=k, v_LPSKH=v_pool, table_BM=jnp.asarray([table], jnp.int32), page_size=S, impl=impl)
+    return np.asarray(cache.attend(0, q, new, new, jnp.asarray([[pos]], jnp.int32))[0])
+
+  for table, pos in (([2, -1, 3], 9), ([2, 3], 9)):
+    want = read("bucketed", table, pos, v.at[0, 0].set(jnp.inf))
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(read("pallas", table, pos, v.at[0, 0].set(jnp.inf)), want, atol=2e-5, rtol=0)
+
+
 def test_auto_read_raises_our_bugs_and_names_why_it_falls_back(monkeypatch, caplog):
-  """A trial that fails because our code is wrong (a TypeError) is raised, not read as "no kernel on this GPU";
-  a lowering failure or a disagreeing kernel falls back to bucketed with a warning that says why."""
+  """A trial that fails because our code is wrong (a TypeError raised outside JAX's lowering) is raised, not read as
+  "no kernel on this GPU"; a lowering failure or a disagreeing kernel falls back to bucketed with a warning that
+  says why."""
   cfg = dataclasses.replace(CFG, n_heads=16, n_kv_heads=1, head_dim=16)
 
   def fails(exc):
@@ -311,6 +332,16 @@ def test_auto_read_raises_our_bugs_and_names_why_it_falls_back(monkeypatch, capl
   monkeypatch.setattr(pallas_paged, "decode_attention", fails(TypeError("unexpected keyword argument")))
   with pytest.raises(TypeError, match="unexpected keyword"):
     resolve_impl("auto", cfg, 16, backend="gpu")
+  # The same type raised inside JAX's Triton lowering (it asserts and raises TypeError on shapes it cannot
+  # lower) is a limit of this GPU: the fallback, with the reason.
+  lowering = {}
+  exec(compile("def trial(*args, **kwargs):\n  raise TypeError('cannot splat a tensor')\n",
+               "/site-packages/jax/_src/pallas/triton/lowering.py", "exec"), lowering)
+  monkeypatch.setattr(pallas_paged, "decode_attention", lowering["trial"])
+  with caplog.at_level("WARNING"):
+    assert resolve_impl("auto", cfg, 16, backend="gpu") == "bucketed"
+  assert "TypeError: cannot splat a tensor" in caplog.text
+  caplog.clear()
   monkeypatch.setattr(pallas_paged, "decode_attention", fails(NotImplementedError("no Triton lowering for x")))
   with caplog.at_level("WARNING"):
     assert resolve_impl("auto", cfg, 16, backend="gpu") == "bucketed"

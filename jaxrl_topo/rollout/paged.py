@@ -209,7 +209,9 @@ def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BKWH", zero_hidden: bool 
 def _zero_hidden(v, visible):
   """v with the keys no query may see set to 0. A masked key's weight is exactly 0, but 0 * inf or 0 * NaN is
   NaN: a stale slot past a row's position, or page 0 read for an unassigned page, holds another sequence's
-  values, and one non-finite value there would poison every row that reads the page."""
+  values, and one non-finite value there would poison every row that reads the page. (In prefill the zeroing is
+  per row, over what any of its queries sees: a row's own non-finite token still reaches its earlier positions,
+  never another row.)"""
   return jnp.where(visible, v, jnp.zeros((), v.dtype))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -67,10 +68,12 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
     # C pages per trip, unrolled: their table entries and K/V loads are independent, so the GPU has C pages'
     # loads in flight at once instead of one (a trip is two dependent memory round trips: table, then page).
     m_G, l_G, acc_GH = carry
-    pages = [jnp.maximum(table_ref[b, jnp.minimum(j * C + c, M - 1)], 0) for c in range(C)]
-    k_SH = [k_ref[layer, page, :, kh, :] for page in pages]
-    v_SH = [v_ref[layer, page, :, kh, :] for page in pages]
-    keep_S = [(j * C + c) * S + jnp.arange(S) <= pos for c in range(C)]  # masks pages past pos (and past M)
+    ids = [table_ref[b, jnp.minimum(j * C + c, M - 1)] for c in range(C)]
+    k_SH = [k_ref[layer, jnp.maximum(page, 0), :, kh, :] for page in ids]
+    v_SH = [v_ref[layer, jnp.maximum(page, 0), :, kh, :] for page in ids]
+    # masks slots past pos, pages past M (the clamped index re-reads page M - 1) and unassigned pages (page 0 read)
+    keep_S = [((j * C + c) * S + jnp.arange(S) <= pos) & (j * C + c < M) & (page >= 0)
+              for c, page in enumerate(ids)]
     s_GS = [jnp.where(keep[None, :], _dot(q_GH, k.astype(q_GH.dtype).T) * H**-0.5, _MASKED)
             for k, keep in zip(k_SH, keep_S, strict=True)]
     m_new_G = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_GS], m_G)
@@ -118,8 +121,20 @@ def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, pa
 
 
 # Errors in the trial that mean our own code is wrong (a bad call, a missing name): raised, never read as
-# "this GPU cannot run the kernel", which once turned the kernel off on every GPU without a word.
+# "this GPU cannot run the kernel", which once turned the kernel off on every GPU without a word. JAX's Pallas
+# lowering raises some of these types too (an assert, "cannot splat a tensor"), so where one was raised counts.
 _CODE_ERRORS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError)
+_LOWERING_CODE = ("/jax/_src/pallas/", "/jax/experimental/pallas/", "/jax/_src/interpreters/mlir", "/triton/",
+                  "/jaxlib/")
+
+
+def _our_bug(e: Exception) -> bool:
+  """A code error raised outside JAX's Pallas / Triton lowering (where a GPU limitation would surface)."""
+  if not isinstance(e, _CODE_ERRORS):
+    return False
+  frames = traceback.extract_tb(e.__traceback__)
+  where = frames[-1].filename.replace("\\", "/") if frames else ""
+  return not any(part in where for part in _LOWERING_CODE)
 
 
 def resolve_impl(impl: str, cfg, page_size: int, backend: str | None = None) -> str:
@@ -142,9 +157,9 @@ def resolve_impl(impl: str, cfg, page_size: int, backend: str | None = None) -> 
     got = decode_attention(q, k, -k, table, pos, layer=0, page_size=page_size)
     want = _decode_bucketed(q, k, -k, 0, table, pos, page_size, fold_heads=False)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-  except _CODE_ERRORS:
-    raise
   except Exception as e:  # noqa: BLE001  (a lowering or compile failure means: not on this GPU)
+    if _our_bug(e):
+      raise
     logging.warning("rollout: the Pallas decode kernel failed its trial on this %s (%s: %s); decode reads "
                     "through XLA (bucketed)", backend, type(e).__name__, e)
     return "bucketed"
