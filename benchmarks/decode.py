@@ -61,6 +61,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -131,7 +132,7 @@ def seqs_fit(cfg, budget: float, prompt_len: int, median: int, sigma: float, pag
 
 def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY, read: str = "auto"):
   """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats).
-  `read`: the engine's paged decode read (EngineConfig.impl: auto, bucketed, fast, pallas, reference)."""
+  `read`: the engine's paged decode read (EngineConfig.impl: auto (--impl=paged), or one of paged.IMPLS)."""
   cap = int(max(lengths)) if args.workload == "fixed" else 8 * args.median_len
   ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap, impl=read,
                       n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
@@ -205,7 +206,7 @@ def profile_once(once, trace_dir: str, impl: str, batch: int, steps: int, common
     for row in plane["lines"] + plane["top"] + plane["top_ops"]:
       row["per_step_us"] = 1e6 * row["sum_s"] / steps
   print(json.dumps({"bench": "decode_profile", "impl": impl, "batch": batch, "decode_steps": steps,
-                    "traced_wall_s": wall, "step_us": 1e6 * wall / steps, **summary,
+                    "traced_wall_s": wall, "traced_step_us": 1e6 * wall / steps, **summary,
                     **{k: common[k] for k in ("device", "jax", "date", "preset", "dtype")}}), flush=True)
 
 
@@ -288,15 +289,25 @@ def main():
   parser.add_argument("--copy_mb", type=float, default=512.0 if on_gpu else 64.0, help="array size of the copy test")
   parser.add_argument("--repeats", type=int, default=None, help="timed runs (median reported); default 3, fixed 20")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--profile", default=None, help="after the timed runs, trace one more run of each impl into "
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="fixed and longtail workloads: after the timed runs, trace one more run of each impl into "
                       "DIR/<impl>-<batch> (jax.profiler) and print a 'decode_profile' line: device time by line and "
-                      "the top kernels (benchmarks/trace_summary.py)")
+                      "the top kernels, per decode step (benchmarks/trace_summary.py; meant for a GPU)")
   args = parser.parse_args()
   impls = args.impl.split(",")
   known = {"dense", "paged", *(f"paged:{r}" for r in IMPLS)}
   if not set(impls) <= known:
     parser.error(f"--impl={args.impl}: expected a comma-separated subset of {sorted(known)}")
   fixed = args.workload in ("fixed", "pool")
+  if args.profile:
+    if args.workload == "pool":
+      parser.error("--profile traces the fixed and longtail workloads, not --workload=pool")
+    try:
+      os.makedirs(args.profile, exist_ok=True)
+    except OSError as e:
+      parser.error(f"--profile={args.profile}: cannot create it ({e.strerror})")
+    if not os.access(args.profile, os.W_OK):
+      parser.error(f"--profile={args.profile}: not writable")
   args.repeats = args.repeats or (20 if args.workload == "fixed" else 3)
   args.batches = args.batches or ("8,32" if fixed else "1,4,16,64,256" if on_gpu else "1,4,16")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU decode runs of issue 12 in one go, each in its own process with its own time limit, every output under
-# OUT (default ./gpu_decode_out): the fixed-length batch-256 run with a per-step kernel trace (decode.py --profile),
-# then the leads RESULTS.md names (all GEMMs through cuBLAS; rbg random bits), each beside dense in the same process.
+# OUT (default /tmp/gpu_decode_out; the device machine sets OUT): the fixed-length batch-256 run with a per-step
+# kernel trace (decode.py --profile), then the leads RESULTS.md names (all GEMMs through cuBLAS; rbg random bits),
+# each beside dense in the same process.
 # JAX_LOG_COMPILES=1 logs every compile, so a run that stalls shows where (an engine warm-up once stalled > 110 s).
 #
 #   bash benchmarks/gpu_decode.sh                                      # on the GPU machine (its python3)
@@ -11,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PYTHON=${PYTHON:-python3}
-OUT=${OUT:-gpu_decode_out}
+OUT=${OUT:-/tmp/gpu_decode_out}
 PRESET=${PRESET:-qwen2.5-0.5b} DTYPE=${DTYPE:-bfloat16} BATCH=${BATCH:-256} PROMPT=${PROMPT:-128} NEW=${NEW:-256}
 IMPL=${IMPL:-dense,paged:pallas} LIMIT=${LIMIT:-150}
 mkdir -p "$OUT"

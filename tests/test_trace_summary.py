@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,45 @@ def test_busy_time_is_the_union_of_the_intervals():
   assert trace_summary._busy_ns([(20, 30), (0, 10), (40, 41), (5, 15), (30, 31), (2, 3)]) == 27
   assert trace_summary._busy_ns([(0, 100), (10, 20)]) == 100
   assert trace_summary._busy_ns([]) == 0
+
+
+def _plane(name, lines):
+  ev = lambda start, dur, n: SimpleNamespace(name=n, start_ns=start, duration_ns=dur)  # noqa: E731
+  return SimpleNamespace(name=name, lines=[SimpleNamespace(name=ln, events=[ev(*e) for e in evs])
+                                           for ln, evs in lines])
+
+
+def test_a_device_plane_is_summarized_by_hand_worked_numbers():
+  gpu = _plane("/device:GPU:0", [
+      ("Stream #14(Compute)", [(0, 10, "gemm"), (5, 10, "pad"), (20, 5, "gemm")]),  # union [0, 15) + [20, 25)
+      ("XLA Ops", [(0, 15, "fusion.1"), (20, 5, "fusion.2"), (30, 1, "fusion.1")]),
+      ("Launch Stats", []),  # no events: left out
+  ])
+  host = _plane("/host:CPU", [("tf_XLAEigen/1", [(0, 100, "ignored")])])  # a device plane exists: host left out
+  (plane,) = trace_summary.summarize_planes([host, gpu], top=1)
+  assert plane["plane"] == "/device:GPU:0"
+  stream, ops = plane["lines"]
+  assert stream == {"line": "Stream #14(Compute)", "kernels": True, "events": 3, "sum_s": 25e-9, "busy_s": 20e-9,
+                    "span_s": 25e-9}
+  assert ops == {"line": "XLA Ops", "kernels": False, "events": 3, "sum_s": 21e-9, "busy_s": 21e-9, "span_s": 31e-9}
+  assert plane["top"] == [{"name": "gemm", "sum_s": 15e-9, "count": 2}]  # top=1: the pad's 10 ns left out
+  assert plane["top_ops"] == [{"name": "fusion.1", "sum_s": 16e-9, "count": 2}]
+
+
+def test_without_a_device_plane_the_host_plane_s_xla_threads_are_the_kernels():
+  host = _plane("/host:CPU", [("python", [(0, 50, "call")]), ("tf_XLAEigen/7", [(0, 4, "dot"), (4, 2, "add")])])
+  (plane,) = trace_summary.summarize_planes([host])
+  assert [(ln["line"], ln["kernels"]) for ln in plane["lines"]] == [("python", False), ("tf_XLAEigen/7", True)]
+  assert plane["top"] == [{"name": "dot", "sum_s": 4e-9, "count": 1}, {"name": "add", "sum_s": 2e-9, "count": 1}]
+  assert plane["top_ops"] == []
+
+
+def test_a_trace_folder_resolves_to_its_newest_trace(tmp_path):
+  for run in ("2026_11_27_14_16_00", "2026_11_27_14_17_05"):
+    (tmp_path / "plugins" / "profile" / run).mkdir(parents=True)
+    (tmp_path / "plugins" / "profile" / run / "vm.xplane.pb").write_bytes(b"")
+  assert trace_summary.trace_file(str(tmp_path)).endswith("14_17_05/vm.xplane.pb")
+  assert trace_summary.trace_file("/some/file.xplane.pb") == "/some/file.xplane.pb"
 
 
 def test_a_traced_call_is_summarized_per_line_and_kernel(tmp_path):
