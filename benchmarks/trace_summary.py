@@ -18,16 +18,7 @@ import collections
 import glob
 import os
 
-
-def _busy_ns(intervals) -> int:
-  """Length of the union of (start, end) intervals."""
-  busy, end = 0, None
-  for s, e in sorted(intervals):
-    if end is None or s > end:
-      busy, end = busy + e - s, e
-    elif e > end:
-      busy, end = busy + e - end, e
-  return busy
+from jaxrl_topo.review.overlap import union_length
 
 
 def _kernel_line(plane_name: str, line_name: str) -> bool:
@@ -65,7 +56,7 @@ def summarize_planes(planes, top: int = 25) -> list[dict]:
         into[name][1] += 1
       lines.append({"line": line.name, "kernels": kernels, "events": len(spans),
                     "sum_s": sum(e - s for s, e, _ in spans) / 1e9,
-                    "busy_s": _busy_ns((s, e) for s, e, _ in spans) / 1e9,
+                    "busy_s": union_length((s, e) for s, e, _ in spans) / 1e9,
                     "span_s": (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / 1e9})
 
     def ranked(totals):

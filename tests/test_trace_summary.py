@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxrl_topo.review.overlap import union_length
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(_ROOT, "benchmarks", "trace_summary.py"))
 trace_summary = importlib.util.module_from_spec(_spec)
@@ -16,9 +18,9 @@ _spec.loader.exec_module(trace_summary)
 
 def test_busy_time_is_the_union_of_the_intervals():
   # [0, 15) from two overlapping, [20, 31) from two touching, [40, 41), and one inside [0, 15): 15 + 11 + 1.
-  assert trace_summary._busy_ns([(20, 30), (0, 10), (40, 41), (5, 15), (30, 31), (2, 3)]) == 27
-  assert trace_summary._busy_ns([(0, 100), (10, 20)]) == 100
-  assert trace_summary._busy_ns([]) == 0
+  assert union_length([(20, 30), (0, 10), (40, 41), (5, 15), (30, 31), (2, 3)]) == 27
+  assert union_length([(0, 100), (10, 20)]) == 100
+  assert union_length([]) == 0
 
 
 def _plane(name, lines):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
+from jaxrl_topo.review.overlap import union_length
 from jaxrl_topo.review.plots import _new_figure
 
 POOLS = ("rollout", "train")
@@ -19,15 +20,6 @@ POOLS = ("rollout", "train")
 def read_spans(path: str) -> list[dict]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
-
-
-def _union(intervals: Sequence[tuple[float, float]]) -> float:
-  total, end = 0.0, float("-inf")
-  for a, b in sorted(intervals):
-    if b > end:
-      total += b - max(a, end)
-      end = b
-  return total
 
 
 def busy_fractions(spans: Sequence[Mapping], t_from: float | None = None) -> dict[str, float]:
@@ -41,7 +33,7 @@ def busy_fractions(spans: Sequence[Mapping], t_from: float | None = None) -> dic
   out = {}
   for pool in POOLS:
     ivs = [(max(s["start"], lo), s["end"]) for s in spans if s["pool"] == pool and s["end"] > lo]
-    out[pool] = _union(ivs) / (hi - lo)
+    out[pool] = union_length(ivs) / (hi - lo)
   return out
 
 

@@ -41,6 +41,11 @@ def _length(merged: Iterable[tuple[float, float]]) -> float:
   return sum(e - s for s, e in merged)
 
 
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+  """Length covered by (start, end) intervals, overlaps counted once (busy time; mux reports, trace summaries)."""
+  return _length(_union(intervals))
+
+
 def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
   """Seconds covered by both merged interval lists (two-pointer sweep)."""
   i = j = 0
