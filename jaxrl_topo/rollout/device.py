@@ -317,6 +317,16 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
   return state.replace(cache=state.cache.close_window()), tokens_KB, logprobs_KB, emitted_KB
 
 
+def key_on_mesh(key: jax.Array, mesh) -> jax.Array:
+  """A key held by devices outside `mesh` (the whole rollout mesh's, for an engine on some of its shards) copied
+  onto the mesh, replicated. Multi-process meshes, and no mesh, take the key as given."""
+  devices = set(mesh.devices.flat) if mesh is not None else set()
+  if (not devices or not key.is_fully_addressable or key.sharding.device_set <= devices
+      or any(d.process_index != jax.process_index() for d in devices)):
+    return key
+  return jax.device_put(key, jax.sharding.NamedSharding(mesh, P()))
+
+
 def layout_for(mesh, n_slots: int, n_pages: int, n_kv_heads: int) -> Layout | None:
   """Shardings of the device state on a rollout mesh: slots and pool pages over `data` (each data
   shard owns n_slots/data slots and n_pages/data pages), KV heads over `tensor`."""

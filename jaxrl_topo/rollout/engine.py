@@ -35,7 +35,7 @@ from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
 from jaxrl_topo.rollout.engine_config import EngineConfig
-from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave
+from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave, count_chunk, window_pages
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
@@ -270,30 +270,11 @@ class RolloutEngine:
                        steps=n_steps, window=window, floored=bool(floor_D.max() > 1), live_B=self.host.active_B.copy())
 
   def _window_pages(self, n_steps: int, after: _Dispatched | None) -> int:
-    """impl "window": pages, a power of two (at most M), holding the next position any row can write; 0 for the
-    other reads. A bound from the host's counts (every slot's tokens so far): a row live in the unread chunk
-    `after` may be up to its steps further on, but no further than that chunk's own window (its guard stops rows
-    at the edge). The chunk ends when a live row outgrows the window (device.generate). Doubled when this width
-    falls short of the chunk's writes (its n_steps, or to each row's token limit) and the doubled one holds them
-    all: a chunk ending at the edge costs a host round trip, more, at small batch, than the wider reads of the
-    steps it saves (tests/test_engine_chunks.py checks the widths chosen)."""
+    """impl "window": the window's pages for the next chunk (host_state.window_pages); 0 for the other reads."""
     if self.impl != "window":
       return 0
-    S, M, h = self.ecfg.page_size, self.ecfg.max_pages_per_seq, self.host
-    ahead, edge, ran = 0, 0, np.zeros(self.ecfg.n_slots, bool)
-    if after is not None:  # rows live in it (same sequence still in the slot) advance at most its steps, to its edge
-      ahead, edge = after.steps, after.window * S or np.iinfo(np.int32).max
-      ran = (self._epoch_B == after.epoch_B) & after.live_B
-
-    def after_B(pos_B):  # positions once the unread chunk has run (a slot it did not decode keeps its own)
-      return np.where(ran, np.maximum(pos_B, np.minimum(pos_B + ahead, edge)), pos_B)
-
-    tight = min(M, _pow2(int(after_B(self.pool.lengths()).max()) // S + 1))
-    live = h.active_B
-    if not live.any():
-      return tight
-    last = int(np.minimum(h.pos_B + np.minimum(h.left_B, ahead + n_steps), after_B(h.pos_B) + n_steps)[live].max()) - 1
-    return min(M, 2 * tight) if tight <= last // S < 2 * tight else tight
+    return window_pages(self.host, self.pool.lengths(), self._epoch_B, after, n_steps, self.ecfg.page_size,
+                        self.ecfg.max_pages_per_seq)
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots
@@ -333,14 +314,7 @@ class RolloutEngine:
       lps += lps_KB[:k, slot].tolist()
       gids += [d.gen_id] * k
       self.stats["tokens"] += k
-    self.stats["chunks"] += 1
-    self.stats["busy_steps"] += int(n_B.sum())  # slot-steps that emitted (a discarded row's too)
-    run_steps = int(emitted_KB.any(axis=1).sum()) * e.n_slots  # the loop stops at the first step with no live row
-    self.stats["slot_steps"] += run_steps
-    self.stats["row_steps"] += run_steps // e.n_slots * d.rows  # what the steps computed: live rows, packed
-    if d.queued:  # admission's share: occupancy while requests were waiting for a slot
-      self.stats["busy_steps_queued"] += int(n_B.sum())
-      self.stats["slot_steps_queued"] += run_steps
+    count_chunk(self.stats, emitted_KB, d, e.n_slots)
     return new, chunk
 
   def _park(self, slot: int) -> None:
@@ -407,15 +381,6 @@ class RolloutEngine:
       stream.add(requests, tag, seq_base=seq_base)  # tag: names the batch to `turns` (episodes.py)
       return stream.run_until(tag)
 
-  def _on_mesh(self, key: jax.Array) -> jax.Array:
-    """A key held by devices outside this engine's mesh (the whole rollout mesh's, for an engine on some of its
-    shards) is copied onto the mesh, replicated. Multi-process meshes take the key as given."""
-    devices = set(self.mesh.devices.flat) if self.mesh is not None else set()
-    if (not devices or not key.is_fully_addressable or key.sharding.device_set <= devices
-        or any(d.process_index != jax.process_index() for d in devices)):
-      return key
-    return jax.device_put(key, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
              key: jax.Array | None = None, sampling: SamplingConfig | None = None, turns=None):
@@ -427,7 +392,7 @@ class RolloutEngine:
       raise RuntimeError("the engine is generating (an open stream has sequences); drain it first")
     saved = self.key, self.sampling
     if key is not None:
-      self.key = self._on_mesh(key)
+      self.key = device.key_on_mesh(key, self.mesh)
     self.sampling = sampling or self.ecfg.sampling
     self._running = True
     stream = self._stream = Stream(self, on_chunk, on_group, turns)  # turns: episodes.py

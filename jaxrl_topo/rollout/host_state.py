@@ -1,5 +1,6 @@
 """Host-side records of the rollout engine (engine.py): the slot mirror, pending weights, admission
-waves and dispatched-but-unread device results. Plain data; the logic lives in engine.py."""
+waves and dispatched-but-unread device results; and two pure functions of them, the "window" read's width
+for the next chunk and a read chunk's occupancy counts. The engine's logic lives in engine.py."""
 
 from __future__ import annotations
 
@@ -69,3 +70,43 @@ class _Dispatched:
 
 def _pow2(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
+
+
+def window_pages(host: _SlotMirror, lengths_B: np.ndarray, epoch_B: np.ndarray, after: _Dispatched | None,
+                 n_steps: int, page_size: int, max_pages: int) -> int:
+  """impl "window": pages, a power of two (at most max_pages), holding the next position any row can write.
+  A bound from the host's counts (`lengths_B`: every slot's tokens so far): a row live in the unread chunk
+  `after` may be up to its steps further on, but no further than that chunk's own window (its guard stops rows
+  at the edge). The chunk ends when a live row outgrows the window (device.generate). Doubled when this width
+  falls short of the chunk's writes (its n_steps, or to each row's token limit) and the doubled one holds them
+  all: a chunk ending at the edge costs a host round trip, more, at small batch, than the wider reads of the
+  steps it saves (tests/test_engine_chunks.py checks the widths chosen)."""
+  S, M, h = page_size, max_pages, host
+  ahead, edge, ran = 0, 0, np.zeros(len(h.active_B), bool)
+  if after is not None:  # rows live in it (same sequence still in the slot) advance at most its steps, to its edge
+    ahead, edge = after.steps, after.window * S or np.iinfo(np.int32).max
+    ran = (epoch_B == after.epoch_B) & after.live_B
+
+  def after_B(pos_B):  # positions once the unread chunk has run (a slot it did not decode keeps its own)
+    return np.where(ran, np.maximum(pos_B, np.minimum(pos_B + ahead, edge)), pos_B)
+
+  tight = min(M, _pow2(int(after_B(lengths_B).max()) // S + 1))
+  live = h.active_B
+  if not live.any():
+    return tight
+  last = int(np.minimum(h.pos_B + np.minimum(h.left_B, ahead + n_steps), after_B(h.pos_B) + n_steps)[live].max()) - 1
+  return min(M, 2 * tight) if tight <= last // S < 2 * tight else tight
+
+
+def count_chunk(stats, emitted_KB: np.ndarray, d: _Dispatched, n_slots: int) -> None:
+  """Adds a read chunk's counts to the engine's `stats` (a Counter): chunks, slot-steps that emitted, slot-steps
+  and row-steps the loop ran (it stops at the first step with no live row), and their share while requests waited."""
+  busy = int(emitted_KB.sum())  # slot-steps that emitted (a discarded row's too)
+  run_steps = int(emitted_KB.any(axis=1).sum())
+  stats["chunks"] += 1
+  stats["busy_steps"] += busy
+  stats["slot_steps"] += run_steps * n_slots
+  stats["row_steps"] += run_steps * d.rows  # what the steps computed: live rows, packed
+  if d.queued:  # admission's share: occupancy while requests were waiting for a slot
+    stats["busy_steps_queued"] += busy
+    stats["slot_steps_queued"] += run_steps * n_slots

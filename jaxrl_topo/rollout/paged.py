@@ -27,7 +27,7 @@ Five read paths, chosen by the static `impl`:
              when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n: a
              power of two or M, the fewest pages holding a bound on the next position any slot's row can
              write, or twice that where the doubled width holds every write of the chunk
-             (RolloutEngine._window_pages); the chunk ends before a row outgrows them). Each step appends its
+             (host_state.window_pages); the chunk ends before a row outgrows them). Each step appends its
              token's K/V there (and to the pool) and reads them in place, the kv head leading both dots, so no
              step gathers. On a 2-core CPU this removed most of the read's cost at small batch and short
              contexts (benchmarks/RESULTS.md). Its prices: a
