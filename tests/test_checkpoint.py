@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from subproc import cpu_env
 
 import tests.train_fixtures as fx
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
@@ -258,8 +259,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
   (due for keep-N deletion) is intact, `latest_step()` is 1, and the run resumes and saves step 2 again."""
   n = 50_000_000  # 200 MB of float32: its write takes far longer than the few instructions before the kill
   directory = str(tmp_path / "run")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-  env.pop("XLA_FLAGS", None)  # one device is enough
+  env = cpu_env(PYTHONPATH=REPO)  # one device is enough
   proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, directory, str(n)], env=env, cwd=REPO,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

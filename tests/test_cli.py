@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from subproc import cpu_env
 
 from launchers import local_multiprocess
 
@@ -17,9 +18,7 @@ CHILD = os.path.join(ROOT, "tests", "mp_failing_child.py")
 
 
 def _env(**extra) -> dict:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **extra}
-  env.pop("XLA_FLAGS", None)
-  return env
+  return cpu_env(PYTHONPATH=ROOT, **extra)  # one device
 
 
 def test_local_multiprocess_stops_the_others_when_one_fails(capfd):

@@ -6,16 +6,15 @@ import subprocess
 import sys
 
 import pytest
+from subproc import cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATE = os.path.join(ROOT, "launchers", "generate.py")
 
 
 def _run(script, *args, timeout=180) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
   return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                        env=env)
+                        env=cpu_env())
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from subproc import cpu_env
 
 from jaxrl_topo.cli import UserError
 from jaxrl_topo.mux.jobs import parse_job, split_overrides
@@ -45,8 +46,7 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py:tiny",
          f"--job={CONFIGS}/dapo.py:tiny,run.seed=3,reward.fn=reward_fns_for_tests:raises",
          f"--workdir={tmp_path}", *[f"--config.{k}={v}" for k, v in common.items()]]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "PYTHONPATH": os.path.join(ROOT, "tests")}
+  env = cpu_env(2, PYTHONPATH=os.path.join(ROOT, "tests"))
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "0-grpo_task: 3 steps" in out.stdout and "1-dapo: FAILED" in out.stdout, out.stdout

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from subproc import cpu_env
 
 from jaxrl_topo.runtime.metrics import comparable, read_metrics
 
@@ -24,9 +25,8 @@ def _launch(workdir, cache_dir, kill_at=None):
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "train.py"), "--config",
          os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={workdir}", "--noprogress",
          *[f"--config.{k}={v}" for k, v in FLAGS.items()]]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  env = cpu_env(2, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   env.pop("JAXRL_KILL_AT", None)
   if kill_at:
     env["JAXRL_KILL_AT"] = kill_at

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from subproc import cpu_env
 
 from jaxrl_topo.runtime import run as run_lib
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
@@ -137,7 +138,7 @@ def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "train.py"), "--config",
          os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={workdir}", "--noprogress",
          *[f"--config.{k}={v}" for k, v in flags.items()]]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = cpu_env()  # one device
   if cache_dir:  # the launches compile the same programs: share them through JAX's persistent cache
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

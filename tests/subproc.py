@@ -1,0 +1,16 @@
+"""Environments for the tests' child processes (launchers, CLIs, killed runs) on the CPU.
+
+A child compiles its programs from scratch, so it takes the suite's fast-compile XLA flags (see the
+Makefile's TEST_XLA_FLAGS: about a third less compile time, same numerics) with its own fake-device count."""
+
+from __future__ import annotations
+
+import os
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def cpu_env(devices: int = 1, **extra: str) -> dict:
+  """os.environ with JAX on the CPU, `devices` fake devices and fast compiles, then `extra` on top."""
+  flags = FAST_COMPILE + (f" --xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **extra}
