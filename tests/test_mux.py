@@ -100,14 +100,17 @@ def _group(tmp_path, jids, migrate_at=0.5, hooks_for=None) -> tuple[Group, dict]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-  return _group(tmp_path_factory.mktemp("pair"), ["a", "b"])
+def trio(tmp_path_factory):
+  """One group of the three jobs, shared by the tests below (a group run is most of this file's time)."""
+  return _group(tmp_path_factory.mktemp("trio"), ["a", "b", "c"])
 
 
-def test_two_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(pair, solo):
-  group, out = pair
+def test_three_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(trio, solo):
+  group, out = trio
   assert all(r["ok"] for r in out.values()), out
-  for jid in ("a", "b"):
+  sizes = {j: warm.tree_bytes(group.jobs[j].exp.engine.params.host) for j in "abc"}
+  assert sizes["c"] > sizes["a"], sizes  # a bigger model
+  for jid in "abc":
     got, want = comparable(group.jobs[jid].metrics), solo(jid)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert got == want, f"job {jid}: multiplexed metrics differ from its solo run: {_diff(got, want)}"
@@ -121,7 +124,7 @@ def test_two_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(pair, solo):
   # Long-tail migration was on (mux.migrate_at=0.5): stragglers moved to the 8-row tail engine and decoded
   # there in some rollout phase of each job (a tail that ends inside the chunk in flight has nothing to move).
   moved = [s for s in group.spans if s["pool"] == "rollout" and s.get("moved_at") is not None]
-  assert {s["job"] for s in moved} == {"a", "b"}
+  assert {s["job"] for s in moved} >= {"a", "b"}
   assert all(s["tail_slots"] == 8 and s["tail_devices"] == [4, 5] and s["tail_steps"] > 0 and s["freed_kv_bytes"] > 0
              for s in moved), moved
   # Job a (bucketed read) moves a shard's stragglers as they are; job b (row-exact read) merged both shards' into
@@ -130,16 +133,16 @@ def test_two_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(pair, solo):
   assert any(s["moved_from_shards"] == 2 for s in moved if s["job"] == "b"), moved
 
 
-def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(pair):
-  group, _ = pair
-  cycle = ["a", "b"] * STEPS
+def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(trio):
+  group, _ = trio
+  cycle = ["a", "b", "c"] * STEPS
   # Job a's evaluation (after step 1) is a rollout-pool phase in a's turn, right before its rollout 2.
-  assert group.rollout_pool.history == ["a", "b", "a", "b", "a:eval", "a", "b"]
+  assert group.rollout_pool.history == ["a", "b", "c", "a", "b", "c", "a:eval", "a", "b", "c"]
   assert group.train_pool.history == cycle
   evals = [s for s in group.spans if s["phase"] == "eval"]
   assert [(s["job"], s["pool"], s["step"]) for s in evals] == [("a", "rollout", 1)]
   spans = {(s["job"], s["pool"], s["step"]): s for s in group.spans if s["phase"] != "eval"}
-  assert len(spans) == 2 * 2 * STEPS and all(s["devices"] for s in group.spans)
+  assert len(spans) == 3 * 2 * STEPS and all(s["devices"] for s in group.spans)
   (ev,) = evals  # after a's train 1 (its weights 2), before a's rollout 2 and b's rollout 2
   assert spans[("a", "train", 1)]["end"] <= ev["start"] and ev["end"] <= spans[("a", "rollout", 2)]["start"]
   assert ev["end"] <= spans[("b", "rollout", 2)]["start"]
@@ -152,8 +155,8 @@ def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(pair):
     assert spans[("b", "rollout", k)]["start"] < spans[("a", "train", k)]["end"]
 
 
-def test_warm_switches_park_state_in_host_memory_and_never_recompile(pair):
-  group, _ = pair
+def test_warm_switches_park_state_in_host_memory_and_never_recompile(trio):
+  group, _ = trio
   for job in group.jobs.values():
     assert job.compiled, "no compile counts were taken after the first cycle"
     # Programs of one shape per job: a warm switch that changed a layout would compile them again. (prefill and
@@ -175,18 +178,6 @@ def test_warm_switches_park_state_in_host_memory_and_never_recompile(pair):
     assert job.plan_runs == [], "a sync went through the rollout devices"
     host = jax.tree.leaves(job.exp.engine.params.host)
     assert {d.id for x in host for d in x.sharding.device_set} == {4, 5, 6, 7}
-
-
-@pytest.mark.slow
-def test_three_jobs_of_different_tasks_and_sizes_equal_their_solo_runs(tmp_path, solo):
-  group, out = _group(tmp_path, ["a", "b", "c"])
-  assert all(r["ok"] for r in out.values()), out
-  sizes = {j: warm.tree_bytes(group.jobs[j].exp.engine.params.host) for j in "abc"}
-  assert sizes["c"] > sizes["a"], sizes  # a bigger model
-  for jid in "abc":
-    got, want = comparable(group.jobs[jid].metrics), solo(jid)
-    assert got == want, f"job {jid}: {_diff(got, want)}"
-  assert group.train_pool.history == ["a", "b", "c"] * STEPS
 
 
 def test_a_failing_job_is_isolated_and_reported_with_its_id(tmp_path):
