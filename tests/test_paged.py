@@ -52,8 +52,9 @@ def _numpy_attention(q_BNH, k_PSKH, v_PSKH, table_BM, pos_B):
   return out
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+# Each page size twice and each group size at least once, not the whole 3 x 4 grid (a case is six reads, the
+# Pallas kernel interpreted among them): one page per token to pages longer than some rows; MHA to MQA.
+@pytest.mark.parametrize("page_size, group", [(1, 1), (1, 8), (4, 2), (4, 4), (16, 1), (16, 8)])
 def test_fast_decode_matches_reference_and_numpy(page_size, group):
   """Ragged lengths, shuffled pages, garbage everywhere that is not a valid token: none of it leaks."""
   rng = np.random.default_rng(page_size * 10 + group)
