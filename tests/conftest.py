@@ -4,9 +4,10 @@ import gc
 import os
 import tempfile
 
+from subproc import FAST_COMPILE
+
 # Fast compiles for tiny programs (see the Makefile's TEST_XLA_FLAGS); `make test` sets the same.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch a hub
