@@ -105,9 +105,10 @@ def test_fast_decode_matches_reference_and_numpy(page_size, group):
   np.testing.assert_allclose(window[:, 0], want, atol=2e-5, rtol=0)
   # The window holds what the pool holds at every position up to each row's, the new token included.
   for b in range(4):
-    for x_want, x_win in ((k_want, window_cache.window_k[1]), (v_want, window_cache.window_v[1])):
+    k_win_KWH = np.asarray(window_cache.window_k[1])[b].transpose(0, 2, 1)  # keys held [K, H, W]
+    for x_want, x_win_KWH in ((k_want, k_win_KWH), (v_want, np.asarray(window_cache.window_v[1])[b])):
       rows = np.stack([x_want[1, table[b, p // S], p % S] for p in range(pos[b, 0] + 1)])  # [len, K, H]
-      np.testing.assert_array_equal(np.asarray(x_win)[b, :, : pos[b, 0] + 1].transpose(1, 0, 2), rows)
+      np.testing.assert_array_equal(x_win_KWH[:, : pos[b, 0] + 1].transpose(1, 0, 2), rows)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast", "bucketed"])
@@ -248,8 +249,8 @@ def test_an_idle_row_writes_nothing_and_reads_nothing(impl, fold_heads):
   out, got = jax.jit(lambda c: opened(c).attend(1, q, new, new, jnp.asarray([[-1], [5]], jnp.int32)))(cache)
   if impl == "window":  # the idle row's window is as gathered; the live row's has the new token at column 5
     np.testing.assert_array_equal(got.window_k[1][0], jnp.asarray(k_pool)[1, jnp.asarray([2, 4])].reshape(
-        2 * S, CFG.n_kv_heads, CFG.head_dim).transpose(1, 0, 2))
-    np.testing.assert_array_equal(got.window_k[1][1, :, 5], 1.0)
+        2 * S, CFG.n_kv_heads, CFG.head_dim).transpose(1, 2, 0))  # keys held [K, H, W]
+    np.testing.assert_array_equal(got.window_k[1][1, :, :, 5], 1.0)
   want_k = np.asarray(k_pool).copy()
   want_k[1, 3, 1] = 1.0  # only the live row's position 5 = page 3, slot 1
   np.testing.assert_array_equal(got.k_LPSKH, want_k)

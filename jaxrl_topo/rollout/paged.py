@@ -86,7 +86,8 @@ class PagedKVCache:
   block_tokens: int = struct.field(pytree_node=False, default=128)  # keys per fast-loop block (≥ 1 page)
   # bucketed: read the KV heads folded into the key axis (below); never where KV heads are split over devices
   fold_heads: bool = struct.field(pytree_node=False, default=False)
-  # window: per-layer [B, K, n*S, H] copies of every row's first n pages, open for one decode chunk (below)
+  # window: per-layer copies of every row's first n pages, open for one decode chunk (below): keys [B, K, H, n*S]
+  # (the q.k dot's contraction over H then reads rows, not columns), values [B, K, n*S, H]
   window_k: tuple | None = None
   window_v: tuple | None = None
 
@@ -126,21 +127,21 @@ class PagedKVCache:
     return self.replace(k_LPSKH=k, v_LPSKH=v)
 
   def open_window(self, n_pages: int, dtype, written_B) -> PagedKVCache:
-    """impl "window": gathers every row's first `n_pages` pages of each layer once, into per-layer
-    [B, K, n_pages*S, H] arrays of `dtype` (the compute dtype). Decode steps then append to them and read them in
-    place; the caller covers every page a row may touch while the window is open (device.generate). Values at
-    columns >= `written_B` (each row's next write; stale or unassigned there) are zeroed once here, so the steps'
-    reads need no mask on them (see `_zero_hidden`)."""
+    """impl "window": gathers every row's first `n_pages` pages of each layer once, into per-layer arrays of
+    `dtype` (the compute dtype), keys [B, K, H, W] and values [B, K, W, H] for W = n_pages*S. Decode steps then
+    append to them and read them in place; the caller covers every page a row may touch while the window is open
+    (device.generate). Values at columns >= `written_B` (each row's next write; stale or unassigned there) are
+    zeroed once here, so the steps' reads need no mask on them (see `_zero_hidden`)."""
     pages_Bn = jnp.maximum(self.table_BM[:, :n_pages], 0)  # unassigned: page 0, never visible (s <= pos)
     B, n = pages_Bn.shape
     _, _, S, K, H = self.k_LPSKH.shape
     written_B1W1 = (jnp.arange(n * S)[None, :] < written_B[:, None])[:, None, :, None]
 
-    def layers(x_LPSKH, zero: bool):
-      xs = (x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(0, 2, 1, 3).astype(dtype)
-            for i in range(x_LPSKH.shape[0]))
-      return tuple(_zero_hidden(x, written_B1W1) if zero else x for x in xs)
-    return self.replace(window_k=layers(self.k_LPSKH, False), window_v=layers(self.v_LPSKH, True))
+    def layers(x_LPSKH, order: tuple[int, ...]):  # from [B, n*S, K, H]
+      return tuple(x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(order).astype(dtype)
+                   for i in range(x_LPSKH.shape[0]))
+    window_v = tuple(_zero_hidden(x, written_B1W1) for x in layers(self.v_LPSKH, (0, 2, 1, 3)))
+    return self.replace(window_k=layers(self.k_LPSKH, (0, 2, 3, 1)), window_v=window_v)
 
   def close_window(self) -> PagedKVCache:
     return self.replace(window_k=None, window_v=None)
@@ -173,35 +174,35 @@ def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B)
   """One decode step through the open window: the token's K/V (rounded to the pool's dtype, as a read of the
   pool would see them) appended at column pos, then one masked softmax over the window's columns s <= pos.
   Rows with pos < 0 (idle) write nothing and read nothing."""
-  k_BKWH, v_BKWH = new.window_k[layer], new.window_v[layer]
-  B, K, W, _ = k_BKWH.shape
+  k_BKHW, v_BKWH = new.window_k[layer], new.window_v[layer]
+  B, K, W, _ = v_BKWH.shape
   col_B1 = jnp.where((pos_B >= 0) & (pos_B < W), pos_B, W)[:, None]  # past the window: dropped
   b_B1, k_1K = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
-
-  def put(x_BKWH, x_BTKH, pool):
-    return x_BKWH.at[b_B1, k_1K, col_B1].set(x_BTKH[:, 0].astype(pool.dtype).astype(x_BKWH.dtype), mode="drop")
-
-  k_BKWH, v_BKWH = put(k_BKWH, k_BTKH, new.k_LPSKH), put(v_BKWH, v_BTKH, new.v_LPSKH)
+  as_pool = lambda x_BTKH, pool, like: x_BTKH[:, 0].astype(pool.dtype).astype(like.dtype)  # noqa: E731
+  k_BKHW = k_BKHW.at[b_B1, k_1K, :, col_B1].set(as_pool(k_BTKH, new.k_LPSKH, k_BKHW), mode="drop")
+  v_BKWH = v_BKWH.at[b_B1, k_1K, col_B1].set(as_pool(v_BTKH, new.v_LPSKH, v_BKWH), mode="drop")
   replace = lambda ws, x: ws[:layer] + (x,) + ws[layer + 1:]  # noqa: E731
-  new = new.replace(window_k=replace(new.window_k, k_BKWH), window_v=replace(new.window_v, v_BKWH))
-  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKWH, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None],
+  new = new.replace(window_k=replace(new.window_k, k_BKHW), window_v=replace(new.window_v, v_BKWH))
+  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKHW, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None], keys="BKHW",
                             zero_hidden=False)  # zeroed past each row's writes when the window opened
   return out_BNH[:, None], new
 
 
-def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BKWH", zero_hidden: bool = True):
-  """Masked softmax attention of one query per head, the kv head a batch dimension of both dots, over keys laid
-  out `keys` ("BKWH": kv head leading, as the window holds them, so the dots read them in place; "BWKH": as
-  gathered from pages); a row with no visible key gives 0. `zero_hidden=False` where `v` holds no non-finite
-  value at a masked key (an open window), saving a pass over it."""
+def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BWKH", zero_hidden: bool = True):
+  """Masked softmax attention of one query per head, the kv head a batch dimension of both dots; a row with no
+  visible key gives 0. `keys`: "BWKH" (keys and values as gathered from pages) or "BKHW" (an open window: keys
+  [B, K, H, W], values [B, K, W, H]; both dots then read their operand in place, contracting a non-minor axis.
+  With keys [B, K, W, H] the q.k dot contracts their minor axis, which XLA:CPU ran 2x slower: benchmarks/RESULTS.md).
+  `zero_hidden=False` where `v` holds no non-finite value at a masked key (an open window), saving a pass over it."""
   B, N, H = q_BNH.shape
   K = k.shape[keys.index("K")]
+  values = "BKWH" if keys == "BKHW" else keys
   q_BKGH = q_BNH.reshape(B, K, N // K, H)
   if zero_hidden:
-    v = _zero_hidden(v, mask_BW[:, None, :, None] if keys == "BKWH" else mask_BW[:, :, None, None])
+    v = _zero_hidden(v, mask_BW[:, None, :, None] if values == "BKWH" else mask_BW[:, :, None, None])
   logits_BKGW = jnp.einsum(f"BKGH,{keys}->BKGW", q_BKGH, k, preferred_element_type=jnp.float32) * H**-0.5
   p_BKGW, l_BKG = _masked_softmax(logits_BKGW, mask_BW[:, None, None, :])
-  out_BKGH = jnp.einsum(f"BKGW,{keys}->BKGH", p_BKGW.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out_BKGH = jnp.einsum(f"BKGW,{values}->BKGH", p_BKGW.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
   return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
 
@@ -299,7 +300,7 @@ def _read_by_head(q_BNH, k_LPSKH, v_LPSKH, layer: int, pages_Bn, pos_B, S: int):
   k_BWKH = k_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
   v_BWKH = v_LPSKH[layer, jnp.maximum(pages_Bn, 0)].reshape(B, n * S, K, H).astype(q_BNH.dtype)
   mask_BW = (jnp.arange(n * S)[None, :] <= pos_B[:, None]) & jnp.repeat(pages_Bn >= 0, S, axis=1)
-  return _attend_by_head(q_BNH, k_BWKH, v_BWKH, mask_BW, keys="BWKH")
+  return _attend_by_head(q_BNH, k_BWKH, v_BWKH, mask_BW)
 
 
 # The bucketed read folds the KV-head axis into the key axis: a gathered [B, n, S, K, H] block is read as
