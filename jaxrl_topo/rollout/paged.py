@@ -24,18 +24,18 @@ Five read paths, chosen by the static `impl`:
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
              with an online (flash-style) fp32 softmax masked per row beyond its own position.
   window     for a decode chunk (device.generate): each row's first n pages of every layer are gathered once,
-             when the chunk starts, into contiguous per-layer [B, K, n*S, H] arrays (`open_window`; n: a
-             power of two or M, the fewest pages holding a bound on the next position any slot's row can
-             write, or twice that where the doubled width holds every write of the chunk
-             (host_state.window_pages); the chunk ends before a row outgrows them). Each step appends its
-             token's K/V there (and to the pool) and reads them in place, the kv head leading both dots, so no
-             step gathers. On a 2-core CPU this removed most of the read's cost at small batch and short
-             contexts (benchmarks/RESULTS.md). Its prices: a
-             row's last bits depend on n, which follows the longest row any slot holds and where chunks end, so
-             two runs that chunk differently (a mux group and its solo runs) differ in the last bits (hence not
-             the default, and refused under a mux group's run.deterministic); one decode program per (rows, n)
-             pair met; and the chunk's rows held a second time, in the compute dtype. Outside an open window it
-             reads as reference.
+             when the chunk starts, into contiguous per-layer arrays, keys [B, K, H, n*S] and values
+             [B, K, n*S, H] (`open_window`; n: a power of two or M, the fewest pages holding a bound on the
+             next position any slot's row can write, or twice that where the doubled width holds every write
+             of the chunk (host_state.window_pages); the chunk ends before a row outgrows them). Each step
+             appends its token's K/V there (and to the pool) and reads them in place, the kv head leading both
+             dots, so no step gathers (keys [B, K, H, W], not [B, K, W, H]: XLA:CPU ran the q.k dot over the
+             minor axis 2x slower). On a 2-core CPU this removed most of the read's cost at small batch and
+             short contexts (benchmarks/RESULTS.md). Its prices: a row's last bits depend on n, which follows
+             the longest row any slot holds and where chunks end, so two runs that chunk differently (a mux
+             group and its solo runs) differ in the last bits (hence not the default, and refused under a mux
+             group's run.deterministic); one decode program per (rows, n) pair met; and the chunk's rows held a
+             second time, in the compute dtype. Outside an open window it reads as reference.
   Prefill (T > 1) always takes the reference path.
 All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
 first (`k_LPSKH[layer]`) copies the layer's whole pool every step, so a step cost as much as the
