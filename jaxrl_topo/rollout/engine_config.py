@@ -16,7 +16,7 @@ class EngineConfig:
   decode_chunk: int = 8  # decode steps per generate() call (K); run() admits with pages for this many ahead
   min_bucket: int = 16  # prompts are padded to a power of two >= this
   # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed; window = faster
-  # on CPU at small batch and short contexts, its last bits depending on chunk boundaries
+  # on CPU at small batch, its last bits depending on chunk boundaries
   impl: str = "auto"
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()

@@ -70,7 +70,7 @@ from jaxrl_topo.models.layers import gqa_attention
 IMPLS = ("reference", "fast", "bucketed", "pallas", "window")
 # The launchers' --read flag (generate.py, serve.py): "auto" or one of IMPLS.
 READ_HELP = ("The engine's paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU, else bucketed; "
-             "window = faster on CPU at small batch and short contexts (last bits depend on chunk ends).")
+             "window = faster on CPU at small batch (last bits depend on chunk ends).")
 _MASKED = -1e30  # finite, as in layers.py: masked logits never make inf - inf = NaN
 
 

@@ -117,7 +117,7 @@ class RolloutSpec:
   kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
   # the paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU where it works, else bucketed;
   # fast | reference | pallas read each row on its own (its numbers never depend on the rows beside it);
-  # window gathers a decode chunk's pages once (faster on CPU at small batch and short contexts; its last bits
+  # window gathers a decode chunk's pages once (faster on CPU at small batch; its last bits
   # depend on where chunks end, so a mux group under run.deterministic refuses it)
   impl: str = "auto"
   # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
