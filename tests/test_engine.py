@@ -137,7 +137,10 @@ def test_a_non_finite_prompt_leaves_the_other_groups_of_its_wave_alone():
   assert bad not in {t for s in alone for t in s.tokens}
   mixed = run([group, Request([bad, 4, 5, 6, 7], max_new_tokens=8)])
   assert [s.tokens for s in mixed[:4]] == [s.tokens for s in alone]
-  np.testing.assert_array_equal([s.logprobs for s in mixed[:4]], [s.logprobs for s in alone])
+  # Not bit for bit: the wave's prefill is a matmul over 2 prompts instead of 1, and XLA:CPU's kernel for the
+  # other row count may round the first token's log-prob differently in the last bit (seen on one CI machine:
+  # 9e-8). Stale K/V in the forks' last page moves the log-probs by orders of magnitude more.
+  np.testing.assert_allclose([s.logprobs for s in mixed[:4]], [s.logprobs for s in alone], rtol=0, atol=1e-5)
   assert not np.isfinite(mixed[4].logprobs).all()  # the inf prompt itself is not finite
 
 
