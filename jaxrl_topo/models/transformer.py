@@ -44,16 +44,33 @@ class RMSNorm(nnx.Module):
 
 
 class Projection(nnx.Module):
-  """y = einsum(spec, x, kernel) (+ bias): a linear map over named, possibly head-split, dims."""
+  """y = einsum(spec, x, kernel) (+ bias): a linear map over named, possibly head-split, dims.
+
+  Computed as one dot_general contracting the shared dims in x's order (`contraction`): jnp.einsum
+  contracts them in alphabetical order, so o_proj's "BTNH,NHD->BTD" contracted (H, N) and XLA
+  transposed both operands, the whole [N, H, D] kernel included, at every call (every layer of every
+  decode step: benchmarks/RESULTS.md)."""
 
   def __init__(self, rngs, spec: str, shape, axes, dtype, *, bias_dims: int = 0):
     self.spec = spec
+    self.dims = contraction(spec)
     self.kernel = _param(rngs, shape, axes, dtype)
     self.bias = _param(None, shape[-bias_dims:], axes[-bias_dims:], dtype, init="zeros") if bias_dims else None
 
   def __call__(self, x):
-    y = jnp.einsum(self.spec, x, self.kernel[...].astype(x.dtype))
+    y = jax.lax.dot_general(x, self.kernel[...].astype(x.dtype), (self.dims, ((), ())))
     return y if self.bias is None else y + layers.lead_dims(self.bias[...].astype(x.dtype), y.ndim)
+
+
+def contraction(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """dot_general contracting dims of a no-batch einsum `spec` ("BTNH,NHD->BTD": ((2, 3), (0, 1))), in the
+  lhs's order; the output must be the lhs's free dims then the kernel's (dot_general's order)."""
+  ins, out = spec.split("->")
+  lhs, rhs = ins.split(",")
+  shared = [c for c in lhs if c in rhs]
+  if out != "".join(c for c in lhs if c not in shared) + "".join(c for c in rhs if c not in shared):
+    raise ValueError(f"Projection spec {spec!r}: the output must list x's free dims, then the kernel's")
+  return tuple(lhs.index(c) for c in shared), tuple(rhs.index(c) for c in shared)
 
 
 class Attention(nnx.Module):
