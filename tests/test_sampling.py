@@ -200,3 +200,58 @@ def test_config_truncates_and_greedy_accepts_zero_temperature():
   assert not SamplingConfig().truncates
   assert all(c.truncates for c in CONFIGS)
   assert SamplingConfig(greedy=True, temperature=0.0).greedy
+
+
+# The sampler's noise is JAX's own (rollout/gumbel.py writes threefry out so that XLA fuses it): every draw must be
+# the one jax.random.categorical makes with the same key, and every key the one jax.random.fold_in makes.
+_seq_keys = jax.jit(sequence_keys)
+
+
+def _reference_keys(key, seq_B, pos_B):
+  return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p))(seq_B, pos_B)
+
+
+def test_sequence_keys_are_jax_fold_in_bit_for_bit():
+  seq = jnp.array([0, 1, 5, -1, 2**31 - 1, 123456], jnp.int32)
+  pos = jnp.array([0, 3, 77, 12, 9, 2**20], jnp.int32)
+  for key in (jax.random.key(7), jax.random.key(2**40 + 3)):
+    want = jax.random.key_data(_reference_keys(key, seq, pos))
+    np.testing.assert_array_equal(jax.random.key_data(_seq_keys(key, seq, pos)), want)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 512, 1000])
+def test_gumbel_noise_is_jax_gumbel_bit_for_bit(vocab):
+  from jaxrl_topo.rollout.gumbel import gumbel_BV
+
+  keys = _reference_keys(jax.random.key(3), jnp.arange(6, dtype=jnp.int32), jnp.arange(6, dtype=jnp.int32) * 11)
+  want = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+  got = jax.jit(gumbel_BV, static_argnums=1)(jax.random.key_data(keys), vocab)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.7), SamplingConfig(top_k=5, top_p=0.9)], ids=str)
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_draws_are_jax_categorical_bit_for_bit(cfg, impl):
+  """Threefry keys take the fused path, other implementations jax.random itself: the same draws either way."""
+  logits = _random_logits(5, 64)
+  keys = _reference_keys(jax.random.key(11, impl=impl), jnp.arange(64, dtype=jnp.int32), jnp.full((64,), 9, jnp.int32))
+  scaled = logits / np.float32(cfg.temperature)
+  if cfg.truncates:
+    scaled = np.where(_mask(logits, cfg), scaled, -np.inf)
+  want = jax.vmap(jax.random.categorical)(keys, scaled)
+  tokens, _ = _sample(logits, _seq_keys(jax.random.key(11, impl=impl), jnp.arange(64, dtype=jnp.int32),
+                                        jnp.full((64,), 9, jnp.int32)), cfg=cfg)
+  np.testing.assert_array_equal(tokens, want)
+
+
+def test_argmax_is_jnp_argmax_with_ties_nans_and_infinities():
+  from jaxrl_topo.rollout.sampling import argmax_BV
+
+  x = np.random.default_rng(0).integers(0, 4, (64, 33)).astype(np.float32)  # many ties
+  x[3, 5] = np.nan
+  x[4, :] = -np.inf
+  x[5, 7] = np.inf
+  x[6, [2, 9]] = np.nan
+  x[7, :] = np.nan
+  x[8, [1, 4]] = np.inf
+  np.testing.assert_array_equal(jax.jit(argmax_BV)(x), jnp.argmax(x, axis=-1))

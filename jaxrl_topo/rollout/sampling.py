@@ -32,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl_topo.rollout import gumbel
+
 _BISECT_STEPS = 32  # > log2(#float32 in [0, 1]) = 30: the bisection ends on adjacent floats.
 _ONE_BITS = 0x3F800000  # int32 bit pattern of float32(1.0).
 
@@ -76,8 +78,12 @@ def sequence_keys(base_key: jax.Array, seq_ids_B: jax.Array, positions_B: jax.Ar
   The key depends on which sequence and which position, never on the batch slot, so a sequence
   samples the same tokens whatever else shares its batch (continuous batching moves rows).
   """
-  fold = lambda seq_id, pos: jax.random.fold_in(jax.random.fold_in(base_key, seq_id), pos)
-  return jax.vmap(fold)(seq_ids_B, positions_B)
+  if not gumbel.is_threefry(base_key):
+    fold = lambda seq_id, pos: jax.random.fold_in(jax.random.fold_in(base_key, seq_id), pos)
+    return jax.vmap(fold)(seq_ids_B, positions_B)
+  kd_B2 = jnp.broadcast_to(jax.random.key_data(base_key), (*seq_ids_B.shape, 2))  # the same bits, fused (gumbel.py)
+  kd_B2 = gumbel.fold_in(gumbel.fold_in(kd_B2, seq_ids_B), positions_B)
+  return jax.random.wrap_key_data(kd_B2, impl=jax.random.key_impl(base_key))
 
 
 def _scale(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -124,14 +130,32 @@ def _keep_row(scaled_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
 def truncation_mask(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """keep_BV: the tokens that top-k/top-p/min-p leave on the temperature-scaled logits."""
-  return jax.vmap(functools.partial(_keep_row, cfg=cfg))(_scale(logits_BV, cfg))
+  return _keep_BV(_scale(logits_BV, cfg), cfg)
 
 
-def _sample_row(scaled_V: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """One draw from softmax(scaled) restricted to the kept set (gumbel-max via categorical)."""
+def _keep_BV(scaled_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  return jax.vmap(functools.partial(_keep_row, cfg=cfg))(scaled_BV)
+
+
+def _draw(scaled_BV: jax.Array, keys_B: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """One draw per row from softmax(scaled) restricted to the kept set: gumbel-max, argmax(gumbel + scaled),
+  which is jax.random.categorical bit for bit (its noise computed in one fused pass: gumbel.py)."""
   if cfg.truncates:
-    scaled_V = jnp.where(_keep_row(scaled_V, cfg), scaled_V, -jnp.inf)
-  return jax.random.categorical(key, scaled_V)
+    scaled_BV = jnp.where(_keep_BV(scaled_BV, cfg), scaled_BV, -jnp.inf)
+  if not gumbel.is_threefry(keys_B):
+    return jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
+  return argmax_BV(gumbel.gumbel_BV(jax.random.key_data(keys_B), scaled_BV.shape[-1]) + scaled_BV)
+
+
+def argmax_BV(x_BV: jax.Array) -> jax.Array:
+  """jnp.argmax(x_BV, axis=-1) (the first maximum; the first NaN if a row has one) as plain max / min reductions.
+  XLA:CPU runs jnp.argmax's paired (value, index) reduction element by element, with whatever is fused into
+  it (the gumbel noise: threefry and two logs); over [32, 512] that was 4x slower than the sampler is now."""
+  V = x_BV.shape[-1]
+  iota_1V = jnp.arange(V, dtype=jnp.int32)[None, :]
+  first_max_B = jnp.min(jnp.where(x_BV == x_BV.max(-1, keepdims=True), iota_1V, V), axis=-1)
+  first_nan_B = jnp.min(jnp.where(jnp.isnan(x_BV), iota_1V, V), axis=-1)
+  return jnp.where(first_nan_B < V, first_nan_B, first_max_B)
 
 
 def sample_tokens(
@@ -145,9 +169,9 @@ def sample_tokens(
   """
   scaled_BV = _scale(logits_BV, cfg)
   if cfg.greedy:
-    tokens_B = jnp.argmax(scaled_BV, axis=-1)
+    tokens_B = argmax_BV(scaled_BV)
   else:
-    tokens_B = jax.vmap(functools.partial(_sample_row, cfg=cfg))(scaled_BV, keys_B)
+    tokens_B = _draw(scaled_BV, keys_B, cfg)
   tokens_B = tokens_B.astype(jnp.int32)
   logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
   logprobs_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
