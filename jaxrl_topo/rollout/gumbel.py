@@ -4,10 +4,10 @@
 threefry keys under JAX's default PRNG settings (`jax_threefry_partitionable`, gumbel mode "low"):
 tests/test_sampling.py checks them bit for bit. The difference is the program. On CPU JAX lowers
 threefry with a rolled loop (5 trips of 4 rounds, a few kernels each, for every call); a decode step
-calls it three times (two fold-ins for the row keys, then the bits of the noise), and on a 2-core
-CPU that loop cost more than the attention: the fixed-length workload's decode ran 1.2-1.3x faster
-without the sampler (benchmarks/RESULTS.md). Written out here, the 20 rounds are plain uint32
-arithmetic that XLA fuses with the uniform -> gumbel transform into one loop over [B, V].
+calls it three times (two fold-ins for the row keys, then the bits of the noise). On a 2-core CPU the
+fixed-length workload's decode ran 1.2-1.3x faster with no sampling at all (benchmarks/RESULTS.md).
+Written out here, the 20 rounds are plain uint32 arithmetic that XLA fuses with the uniform -> gumbel
+transform into one loop over [B, V].
 
 Threefry-2x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): 20 rounds
 of add / rotate / xor on two 32-bit words, the key injected every 4 rounds. Keys are the uint32
