@@ -282,3 +282,22 @@ def test_make_apply_fn_is_forward_without_the_cache():
 def test_bucket_length(n, minimum, maximum, want):
   from jaxrl_topo.rollout.dense import bucket_length
   assert bucket_length(n, minimum, maximum) == want
+
+
+def test_projection_contracts_in_the_activations_order_and_never_transposes_its_kernel():
+  """o_proj's "BTNH,NHD->BTD" as one dot_general over (N, H) in that order: jnp.einsum contracted (H, N), and XLA
+  then transposed the whole [N, H, D] kernel at every call (every layer of every decode step)."""
+  from flax import nnx
+
+  from jaxrl_topo.models.transformer import Projection, contraction
+
+  assert contraction("BTNH,NHD->BTD") == ((2, 3), (0, 1)) and contraction("BTD,DKH->BTKH") == ((2,), (0,))
+  with pytest.raises(ValueError, match="free dims"):
+    contraction("BTNH,NHD->DBT")
+  N, H, D = 4, 64, 256
+  proj = Projection(nnx.Rngs(params=0), "BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (8, 1, N, H))
+  np.testing.assert_allclose(proj(x), jnp.einsum("BTNH,NHD->BTD", x, proj.kernel[...]), rtol=1e-5, atol=1e-5)
+  graphdef, state = nnx.split(proj)
+  hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).compile().as_text()
+  assert "dot" in hlo and f"f32[{H},{N},{D}]" not in hlo  # no [H, N, D] transpose of the kernel

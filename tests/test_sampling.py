@@ -239,8 +239,7 @@ def test_draws_are_jax_categorical_bit_for_bit(cfg, impl):
   if cfg.truncates:
     scaled = np.where(_mask(logits, cfg), scaled, -np.inf)
   want = jax.vmap(jax.random.categorical)(keys, scaled)
-  tokens, _ = _sample(logits, _seq_keys(jax.random.key(11, impl=impl), jnp.arange(64, dtype=jnp.int32),
-                                        jnp.full((64,), 9, jnp.int32)), cfg=cfg)
+  tokens, _ = _sample(logits, keys, cfg=cfg)
   np.testing.assert_array_equal(tokens, want)
 
 
