@@ -1,7 +1,7 @@
 """Decode throughput and memory-bandwidth utilisation: the paged engine against the dense reference (issues 4, 12).
 
   python benchmarks/decode.py                      # long-tail workload, tiny preset; on CPU batches 1,4,16,
-                                                   # the default read and the window read beside dense
+                                                   # the default read (window) and bucketed beside dense
   python benchmarks/decode.py --workload=fixed     # fixed-length workload (issue 12), batches 8,32
   python benchmarks/decode.py --workload=pool      # one decode chunk's step time vs pool size and context
   python benchmarks/decode.py --workload=fixed --preset=qwen2.5-0.5b --dtype=bfloat16 --batches=256 \
@@ -266,10 +266,10 @@ def main():
                       help="the model (default: longtail tiny; fixed and pool the Llama-3-shaped model above)")
   parser.add_argument("--batches", default=None, help="comma-separated batch sizes (decode slots / dense rows); "
                       "default longtail 1,4,16 (GPU 1,4,16,64,256), fixed 8,32")
-  parser.add_argument("--impl", default="dense,paged" if on_gpu else "dense,paged,paged:window",
+  parser.add_argument("--impl", default="dense,paged" if on_gpu else "dense,paged,paged:bucketed",
                       help="comma-separated: dense, paged (its default read), paged:READ with READ one of "
                       + ", ".join(IMPLS) + " (e.g. paged:pallas,paged:bucketed: the kernel path and the XLA path "
-                      "side by side); default dense,paged, and on CPU paged:window too")
+                      "side by side); default dense,paged, and on CPU paged:bucketed too")
   parser.add_argument("--median_len", type=int, default=64, help="median completion length (cap = 8 x median)")
   parser.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal completion lengths")
   parser.add_argument("--prompt_len", type=int, default=32, help="prompt tokens per sequence")

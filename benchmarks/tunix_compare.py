@@ -1,6 +1,6 @@
 """The fixed-length workload of issue 12 beside Google Tunix's sampler, in one process: tokens/s of each.
 
-  python benchmarks/tunix_compare.py [--batches=8,32] [--repeats=20] [--impl=tunix,dense,paged,paged:window]
+  python benchmarks/tunix_compare.py [--batches=8,32] [--repeats=20] [--impl=tunix,dense,paged,paged:bucketed]
 
 Needs `google-tunix` (0.1.7 measured), which the project does not install: it pulls tensorflow-datasets, grain,
 numba and more. Give it a venv of its own beside this project's dependencies, with JAX and Flax pinned to the
@@ -87,7 +87,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batches", default="8,32")
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--impl", default="tunix,dense,paged,paged:window",
+  parser.add_argument("--impl", default="tunix,dense,paged,paged:bucketed",
                       help="comma-separated: tunix, dense, paged (the engine's default read), paged:<read>")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()

@@ -150,9 +150,10 @@ def test_steady_state_compiles_nothing_new(tiny):
 
 def test_chunks_of_every_length_share_one_decode_program(tiny):
   """The chunk length is traced: short chunks, then chunks that grow to 60 steps for a longer straggler, run one
-  `generate` program (a static length compiled one per length, late, the first time a run needed it)."""
+  `generate` program (a static length compiled one per length, late, the first time a run needed it). The bucketed
+  read: the window read (the CPU default) also compiles one program per window width, and ends a chunk at its edge."""
   graphdef, params = tiny
-  eng = _engine(graphdef, params, n_slots=2, eos_ids=(), tail_chunk=4, max_chunk=60)
+  eng = _engine(graphdef, params, n_slots=2, eos_ids=(), tail_chunk=4, max_chunk=60, impl="bucketed")
   eng.run([Request(p, max_new_tokens=5) for p in _prompts(2, seed=8, max_len=15)])
   size = engine_lib.generate._cache_size()
   before = eng.stats["chunks"]
@@ -166,11 +167,12 @@ def test_a_tail_sends_no_chunk_that_would_run_no_step(tiny):
   """One request, nothing waiting: its first chunk (grown to 32 steps) runs it to its 20-token limit, so the loop
   dispatches nothing more: one chunk, one host read (the overlap used to send a second chunk before reading the
   first, which then ran no step: 2 chunks, 2 reads). Its prefill carries the chunk's pages: one upload, no patch
-  after it (with the pages reserved after the prefill, 2 uploads). Tokens equal a run with short chunks."""
+  after it (with the pages reserved after the prefill, 2 uploads). Tokens equal a run with short chunks. The bucketed
+  read: a window chunk also ends at its window's edge (test_a_window_after_an_unread_chunk_...)."""
   graphdef, params = tiny
   (a,) = _prompts(1, seed=12, max_len=6)
   one = [Request(a, max_new_tokens=20)]
-  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=32, eos_ids=())
+  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=32, eos_ids=(), impl="bucketed")
   got = eng.run(one)
   want = _engine(graphdef, params, n_slots=2, eos_ids=()).run(one)
   assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 20
@@ -231,3 +233,31 @@ def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch
   assert got[0].tokens == _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run([z])[0].tokens
   z_windows = [w for w, epochs in windows if epochs[0] > 1]  # dispatches after Z took slot 0
   assert z_windows and z_windows[0] == 2, windows
+
+
+def test_a_window_reads_the_same_bits_however_the_chunks_fall(tiny, monkeypatch):
+  """impl "window", two requests of 100 tokens (the live rows, hence the packed batch, the same throughout), 4-token
+  pages. Chunks of 4 steps open windows that double as the rows grow (16 pages while they hold 33-64 tokens);
+  chunks grown to 64 steps open windows of 2, 4, 8, then 32 pages. Each step reads the pages `bucketed` would (a
+  switch over the widths up to the window's), so tokens and log-probs are equal bit for bit. Reading the whole
+  window they were not (6 of 100 log-probs differed, by ~1e-7): XLA:CPU rounds a dot or a sum over more columns,
+  masked zeros included, differently."""
+  graphdef, params = tiny
+  a, b = _prompts(2, seed=9, max_len=8)
+  two = [Request(a, max_new_tokens=100), Request(b, max_new_tokens=100)]
+  windows = []
+  generate = engine_lib.generate
+
+  def spy(*args, **kw):
+    windows.append(kw["window_pages"])
+    return generate(*args, **kw)
+
+  monkeypatch.setattr(engine_lib, "generate", spy)
+  kw = dict(n_slots=2, n_pages=128, max_len=256, eos_ids=(), impl="window")
+  short = _engine(graphdef, params, decode_chunk=4, tail_chunk=4, **kw).run(two)
+  short_windows, windows[:] = list(windows), []
+  grown = _engine(graphdef, params, decode_chunk=4, tail_chunk=8, max_chunk=64, **kw).run(two)
+  assert windows == [2, 4, 8, 32, 32] and 16 in short_windows and len(short_windows) > 20, (short_windows, windows)
+  assert [s.tokens for s in grown] == [s.tokens for s in short] and len(short[0].tokens) == 100
+  for got, want in zip(grown, short, strict=True):
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)

@@ -95,19 +95,21 @@ def test_kv_bytes_per_device_fall_as_data_grows(tiny, tensor):
   assert per_device == [whole // (data * tensor) for data in (1, 2, 4)], per_device
 
 
-@pytest.mark.parametrize("data, tensor", [(4, 2), (4, 1)])
-def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, tensor):
+@pytest.mark.parametrize("data, tensor, impl", [(4, 2, "window"), (4, 1, "window"), (4, 2, "bucketed"),
+                                                (4, 1, "bucketed")])
+def test_compiled_decode_step_moves_no_pool_bytes_between_devices(tiny, data, tensor, impl):
   """The compiled `generate` chunk: every collective stays inside one data shard (the tensor-parallel
   sums of the model) and is far smaller than a device's share of the pool; without `tensor`, there is
   no collective at all. An all-gather of the pool (GSPMD's answer to a gather it cannot prove local)
-  would fail both. On CPU the engine folds tiny's 2 KV heads into the key axis (paged.py) exactly where
-  tensor does not split them; folding split heads would all-gather each step's gathered K/V."""
+  would fail both. The window read (the CPU default) gathers its window inside each shard; the bucketed read
+  folds tiny's 2 KV heads into the key axis (paged.py) exactly where tensor does not split them: folding
+  split heads would all-gather each step's gathered K/V."""
   graphdef, params = tiny
-  eng = _sharded_engine(graphdef, params, _mesh(data, tensor))
+  eng = _sharded_engine(graphdef, params, _mesh(data, tensor), impl=impl)
   assert eng.state.cache.fold_heads == (tensor == 1)
   hlo = device.generate.lower(eng._static, eng.params, eng.state, eng.key, np.zeros(data, np.int32), np.int32(5),
-                              sampling=eng.sampling, capacity=5,
-                              eos_ids=EOS, pad_id=0, layout=eng.layout).compile().as_text()
+                              sampling=eng.sampling, capacity=5, eos_ids=EOS, pad_id=0, layout=eng.layout,
+                              window_pages=4 if impl == "window" else 0).compile().as_text()
   kv = eng.state.cache.k_LPSKH
   pool_elems = int(np.prod(kv.sharding.shard_shape(kv.shape)))
   found = _collectives(hlo)

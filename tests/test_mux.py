@@ -208,17 +208,6 @@ def test_residency_beyond_host_memory_is_refused_naming_jobs_and_bytes(tmp_path)
     a.close()
 
 
-def test_a_window_read_under_run_deterministic_is_refused_before_anything_is_built(tmp_path):
-  """The window read's last bits follow chunk boundaries, which multiplexing moves: a job could not equal its solo
-  run, so the group refuses it from the configs."""
-  specs = [JobSpec("a", job_cfg("a", **{"run.sft_steps": 0}), str(tmp_path / "a")),
-           JobSpec("b", job_cfg("b", **{"run.sft_steps": 0, "rollout.impl": "window"}), str(tmp_path / "b"))]
-  group = Group(specs, MuxConfig(), str(tmp_path))
-  with pytest.raises(ValueError, match=r"mux: job b: rollout.impl=window under run.deterministic"):
-    group.build()
-  assert all(j.exp is None for j in group.jobs.values())
-
-
 def test_round_robin_pool_passes_over_retired_jobs_and_migrated_tails():
   pool = RoundRobin("rollout", ["a", "b", "c"])
   pool.acquire("a")

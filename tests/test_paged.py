@@ -293,7 +293,7 @@ def test_auto_read_on_gpu_takes_the_kernel_when_its_trial_agrees():
   compares against (any exception there means "bucketed") would silently turn the GPU kernel off."""
   cfg = dataclasses.replace(CFG, n_heads=16, n_kv_heads=1, head_dim=16)  # shapes the GPU kernel accepts
   assert resolve_impl("auto", cfg, 16, backend="gpu") == "pallas"
-  assert resolve_impl("auto", cfg, 16, backend="cpu") == "bucketed"
+  assert resolve_impl("auto", cfg, 16, backend="cpu") == "window"
   qwen_group = dataclasses.replace(cfg, n_heads=14, n_kv_heads=2)  # G = 7: query rows padded to 16
   assert resolve_impl("auto", qwen_group, 16, backend="gpu") == "pallas"
   assert resolve_impl("auto", cfg, 12, backend="gpu") == "bucketed"  # pages of 12 slots: not a power of two

@@ -176,8 +176,8 @@ def test_the_decode_read_is_a_serve_config_key(model_dir, served):
   """ServeConfig.read (launchers/serve.py --read): the engine decodes through it, and greedy answers equal the
   default read's; an unknown read is refused before anything loads."""
   one_device, _, _ = served
-  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, read="window"))
-  assert js_engine.engine.impl == "window" and one_device.engine.impl == "bucketed"
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, read="bucketed"))
+  assert js_engine.engine.impl == "bucketed" and one_device.engine.impl == "window"
   port = server.free_port()
   srv = server.start(js_engine, port)
   try:
@@ -198,7 +198,7 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
   port = server.free_port()
   log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - a file, not a pipe nobody reads while it serves
   proc = subprocess.Popen([*launcher, f"--model={model_dir}", f"--port={port}", "--slots=4", "--max_len=64",
-                           "--read=window"], stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                           "--read=bucketed"], stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
   def output() -> str:
     log.seek(0)
@@ -208,7 +208,7 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
     stub = client.connect(port)
     client.wait_live(stub, proc=proc, log=log, timeout_s=180)
     assert len(_ask(stub, [5, 6, 7], max_tokens=4)) <= 4
-    assert "decode read window" in output()  # --read reaches the engine
+    assert "decode read bucketed" in output()  # --read reaches the engine
     busy = subprocess.run([*launcher, f"--model={model_dir}", f"--port={port}"], capture_output=True, text=True,
                           timeout=180)
     assert busy.returncode != 0 and f"--port={port} is busy" in busy.stderr + busy.stdout

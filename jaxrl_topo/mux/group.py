@@ -125,11 +125,6 @@ class Group:
     """Checks, from the configs alone (nothing built yet), that the group's host-resident state fits; builds
     every job (a job that fails to build is reported and left out), checks that they share the same two
     disjoint pools, then parks every job's state. One process is one node: every job's state lives here."""
-    for jid, job in self.jobs.items():
-      if job.spec.cfg.run.deterministic and job.spec.cfg.rollout.impl == "window":
-        raise ValueError(f"mux: job {jid}: rollout.impl=window under run.deterministic: the window read's last "
-                         "bits depend on where decode chunks end, which multiplexing moves, so the job could not "
-                         "equal its solo run; use rollout.impl=auto (bucketed on CPU) or fast")
     planned = []
     for jid, job in self.jobs.items():
       try:

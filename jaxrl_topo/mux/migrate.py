@@ -20,13 +20,12 @@ of the rollout mesh's data shards:
                 freed_slot_steps = tail steps x (n_slots - tail rows), freed_kv_bytes)
 
 Sampling keys depend on (key, sequence id, position) only, so the stragglers' tokens and log-probs are those
-of an unmoved run, bit for bit (tests/test_mux_migrate.py), with every read but `window` (paged.py: its width
-follows where chunks end and the longest row any slot holds, so a move changes last bits). After the stream
+of an unmoved run, bit for bit (tests/test_mux_migrate.py). After the stream
 closes, `restore` frees the tail's pool; the job's next rollout runs on its full engine again.
 
 With a row-exact paged read (`ROW_EXACT`: rollout.impl fast, reference or pallas; auto is pallas on GPU) the
 stragglers `merge`: they fill the tail's rows in slot order from any shards, so they move at `migrate_at`,
-still bit for bit, and the turn passes only after the move. With bucketed (auto on CPU) a move waits until
+still bit for bit, and the turn passes only after the move. With bucketed or window (auto on CPU) a move waits until
 the stragglers sit in the tail's shards, and the turn passes at once.
 
 The freed shards (mux.resize, not under run.deterministic): tails take the first data shards, so the shards
@@ -51,8 +50,8 @@ from jaxrl_topo.rollout.engine import Request, RolloutEngine
 from jaxrl_topo.rollout.host_state import _SlotMirror
 
 # Paged reads whose numbers for a row never depend on the rows beside it (paged.py): with them stragglers from
-# several data shards can share a tail shard and still decode bit for bit as unmoved. Not "bucketed": its
-# width is the longest co-resident row's, which changes the sums' shapes.
+# several data shards can share a tail shard and still decode bit for bit as unmoved. Not "bucketed" or "window":
+# their width is the longest co-resident row's, which changes the sums' shapes.
 ROW_EXACT = ("reference", "fast", "pallas")
 
 
@@ -138,7 +137,7 @@ def move_stragglers(engine: RolloutEngine, tail: RolloutEngine, merge: bool = Fa
 
   Each old data shard's stragglers move together, each to the same row of one tail shard (same rows per
   shard): a decode step then sees the same rows beside it as before, which the paged read's width (the
-  longest co-resident row, paged.py `bucketed`) and so its numbers depend on. `merge` (for a row-exact
+  longest co-resident row, paged.py `bucketed` and `window`) and so its numbers depend on. `merge` (for a row-exact
   read, `ROW_EXACT`, whose numbers do not depend on the rows beside): the stragglers fill the tail's rows in
   slot order, from any shards, so they move as soon as they are few enough. `info["shards"]`: the old data
   shards the moved stragglers sat in."""

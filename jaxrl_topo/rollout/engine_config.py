@@ -15,8 +15,7 @@ class EngineConfig:
   max_len: int = 512  # prompt + completion tokens per sequence
   decode_chunk: int = 8  # decode steps per generate() call (K); run() admits with pages for this many ahead
   min_bucket: int = 16  # prompts are padded to a power of two >= this
-  # paged decode read (paged.py); auto = the Pallas kernel on GPU where it works, else bucketed; window = faster
-  # on CPU at small batch, its last bits depending on chunk boundaries
+  # paged decode read (paged.py); auto = window on CPU, the Pallas kernel on GPU where it works, else bucketed
   impl: str = "auto"
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()

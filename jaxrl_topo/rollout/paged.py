@@ -15,27 +15,30 @@ Dimension letters (those of models/layers.py, plus):
 Five read paths, chosen by the static `impl`:
   reference  gather each row's M pages into a dense [B, M*S, K, H] and call layers.gqa_attention
              with mask s <= position (and page assigned). Obviously right; reads M*S keys per row.
-  bucketed   (the engine's default on CPU) for decode (T == 1), one masked softmax over the first n pages of
-             every row, n = the longest row's page count rounded up to a power of two, chosen by a
-             `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and two matmuls;
-             with `fold_heads` (the engine's choice on CPU, see below) the KV heads fold into the key axis.
+  bucketed   (the engine's fallback on GPU where the Pallas kernel does not run) for decode (T == 1), one masked
+             softmax over the first n pages of every row, n = the longest row's page count rounded up to a
+             power of two, chosen by a `lax.switch` over the log2(M) + 1 static widths. No loop: one gather and
+             two matmuls; with `fold_heads` (the engine's choice on CPU, see below) the KV heads fold into the
+             key axis.
   pallas     for decode, one Pallas kernel reading pages in place (pallas_paged.py; interpret mode
              off GPU, so on CPU it is a test of the kernel, not a fast path).
   fast       for decode, a `while_loop` over blocks of C pages, up to the most pages any row uses,
              with an online (flash-style) fp32 softmax masked per row beyond its own position.
-  window     for a decode chunk (device.generate): each row's first n pages of every layer are gathered once,
-             when the chunk starts, into contiguous per-layer arrays, keys [B, K, H, n*S] and values
-             [B, K, n*S, H] (`open_window`; n: a power of two or M, the fewest pages holding a bound on the
-             next position any slot's row can write, or twice that where the doubled width holds every write
-             of the chunk (host_state.window_pages); the chunk ends before a row outgrows them). Each step
-             appends its token's K/V there (and to the pool) and reads them in place, the kv head leading both
-             dots, so no step gathers (keys [B, K, H, W], not [B, K, W, H]: XLA:CPU ran the q.k dot over the
-             minor axis 2x slower). On a 2-core CPU this removed most of the read's cost at small batch and
-             short contexts (benchmarks/RESULTS.md). Its prices: a row's last bits depend on n, which follows
-             the longest row any slot holds and where chunks end, so two runs that chunk differently (a mux
-             group and its solo runs) differ in the last bits (hence not the default, and refused under a mux
-             group's run.deterministic); one decode program per (rows, n) pair met; and the chunk's rows held a
-             second time, in the compute dtype. Outside an open window it reads as reference.
+  window     (the engine's default on CPU) for a decode chunk (device.generate): each row's first n pages of
+             every layer are gathered once, when the chunk starts, into contiguous per-layer arrays, keys
+             [B, K, H, n*S] and values [B, K, n*S, H] (`open_window`; n: a power of two or M, the fewest pages
+             holding a bound on the next position any slot's row can write, or twice that where the doubled
+             width holds every write of the chunk (host_state.window_pages); the chunk ends before a row
+             outgrows them). Each step appends its token's K/V there (and to the pool) and reads, in place, the
+             window's first pages as many as `bucketed` would read at that step (a `lax.switch` over the widths
+             up to n), the kv head leading both dots, so no step gathers (keys [B, K, H, W], not [B, K, W, H]:
+             XLA:CPU ran the q.k dot over the minor axis 2x slower). Reading bucketed's width, not the
+             window's, keeps a row's bits a function of the positions decoded, as bucketed's are: the window's
+             width follows where chunks end, and XLA:CPU rounds a softmax or a dot over more columns, masked
+             zeros included, differently (tests/test_engine_chunks.py). On a 2-core CPU this removed most of the
+             read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: one decode
+             program per (rows, n) pair met, and the chunk's rows held a second time, in the compute dtype.
+             Outside an open window it reads as reference.
   Prefill (T > 1) always takes the reference path.
 All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
 first (`k_LPSKH[layer]`) copies the layer's whole pool every step, so a step cost as much as the
@@ -69,8 +72,8 @@ from jaxrl_topo.models.layers import gqa_attention
 
 IMPLS = ("reference", "fast", "bucketed", "pallas", "window")
 # The launchers' --read flag (generate.py, serve.py): "auto" or one of IMPLS.
-READ_HELP = ("The engine's paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU, else bucketed; "
-             "window = faster on CPU at small batch (last bits depend on chunk ends).")
+READ_HELP = ("The engine's paged decode read (rollout/paged.py): auto = window on CPU, the Pallas kernel on GPU "
+             "where it works, else bucketed.")
 _MASKED = -1e30  # finite, as in layers.py: masked logits never make inf - inf = NaN
 
 
@@ -172,10 +175,15 @@ class PagedKVCache:
 
 def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B):
   """One decode step through the open window: the token's K/V (rounded to the pool's dtype, as a read of the
-  pool would see them) appended at column pos, then one masked softmax over the window's columns s <= pos.
-  Rows with pos < 0 (idle) write nothing and read nothing."""
+  pool would see them) appended at column pos, then one masked softmax over the window's first n pages, n the
+  width `bucketed` would read (the longest live row's pages rounded up to a power of two, at most M; a
+  `lax.switch` over the widths up to the window's). So a row's bits follow the positions decoded, never the
+  window's width, which follows where chunks end: two runs that chunk differently agree bit for bit. (Over the
+  whole window they did not: XLA:CPU rounds a dot or a sum over 128 columns differently from the same values
+  over 64 followed by zeros.) Rows with pos < 0 (idle) write nothing and read nothing."""
   k_BKHW, v_BKWH = new.window_k[layer], new.window_v[layer]
-  B, K, W, _ = v_BKWH.shape
+  B, K, W, H = v_BKWH.shape
+  S, M = new.page_size, new.table_BM.shape[1]
   col_B1 = jnp.where((pos_B >= 0) & (pos_B < W), pos_B, W)[:, None]  # past the window: dropped
   b_B1, k_1K = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
   as_pool = lambda x_BTKH, pool, like: x_BTKH[:, 0].astype(pool.dtype).astype(like.dtype)  # noqa: E731
@@ -183,9 +191,21 @@ def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B)
   v_BKWH = v_BKWH.at[b_B1, k_1K, col_B1].set(as_pool(v_BTKH, new.v_LPSKH, v_BKWH), mode="drop")
   replace = lambda ws, x: ws[:layer] + (x,) + ws[layer + 1:]  # noqa: E731
   new = new.replace(window_k=replace(new.window_k, k_BKHW), window_v=replace(new.window_v, v_BKWH))
-  out_BNH = _attend_by_head(q_BTNH[:, 0], k_BKHW, v_BKWH, jnp.arange(W)[None, :] <= pos_B[:, None], keys="BKHW",
-                            zero_hidden=False)  # zeroed past each row's writes when the window opened
+
+  def read(n: int, q_BNH):  # the first n pages; values there zeroed past each row's writes when the window opened
+    return _attend_by_head(q_BNH, k_BKHW[..., : n * S], v_BKWH[:, :, : n * S],
+                           jnp.arange(n * S)[None, :] <= pos_B[:, None], keys="BKHW", zero_hidden=False)
+
+  widths = _widths(min(W // S, M))
+  used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
+  out_BNH = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), used),
+                           [functools.partial(read, n) for n in widths], q_BTNH[:, 0])
   return out_BNH[:, None], new
+
+
+def _widths(M: int) -> list[int]:
+  """The page counts a bucketed read may take for rows of at most M pages: powers of two below M, and M."""
+  return sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
 
 
 def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BWKH", zero_hidden: bool = True):
@@ -283,7 +303,7 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
   No loop: one gather and two matmuls, reading at most twice the longest row's pages."""
   M = table_BM.shape[1]
   S = page_size
-  widths = sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
+  widths = _widths(M)
   used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
   branch = jnp.searchsorted(jnp.asarray(widths), used)  # first width >= used (used = 0 -> width 1)
 

@@ -138,13 +138,15 @@ def _our_bug(e: Exception) -> bool:
 
 
 def resolve_impl(impl: str, cfg, page_size: int, backend: str | None = None) -> str:
-  """EngineConfig.impl "auto": the Pallas kernel on GPU when it imports, its shape limits allow and a
-  one-row trial compiles and agrees with the XLA read; else "bucketed" (XLA), with a warning saying why
-  when the trial failed or disagreed. `backend` (default: JAX's) lets a CPU test take the GPU branch, the
+  """EngineConfig.impl "auto": "window" on CPU (paged.py); on GPU the Pallas kernel when it imports, its shape
+  limits allow and a one-row trial compiles and agrees with the XLA read; else "bucketed" (XLA), with a warning
+  saying why when the trial failed or disagreed. `backend` (default: JAX's) lets a CPU test take the GPU branch, the
   trial then running in interpret mode."""
   if impl != "auto":
     return impl
   backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return "window"
   if backend != "gpu" or not supported(cfg, page_size, backend):
     return "bucketed"
   try:

@@ -115,10 +115,9 @@ class RolloutSpec:
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
   kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
-  # the paged decode read (rollout/paged.py): auto = the Pallas kernel on GPU where it works, else bucketed;
-  # fast | reference | pallas read each row on its own (its numbers never depend on the rows beside it);
-  # window gathers a decode chunk's pages once (faster on CPU at small batch; its last bits
-  # depend on where chunks end, so a mux group under run.deterministic refuses it)
+  # the paged decode read (rollout/paged.py): auto = window on CPU (gathers a decode chunk's pages once), the
+  # Pallas kernel on GPU where it works, else bucketed; fast | reference | pallas read each row on its own (its
+  # numbers never depend on the rows beside it)
   impl: str = "auto"
   # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
   # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
