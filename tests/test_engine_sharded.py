@@ -8,11 +8,13 @@ groups, preemption, stop strings and every weight-update policy.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from test_engine import EOS, SAMPLED, TINY, _detok, _engine, _prompts, _swap_once, _tiny_params
 
 from jaxrl_topo.models.model import abstract_model, param_shardings
@@ -139,6 +141,47 @@ def test_a_window_chunk_gathers_pages_once_not_at_every_step(tiny, impl):
     assert len(gathers) == 2 * TINY.n_layers and not in_loop, gathers  # K and V of each layer, once
   else:
     assert in_loop, gathers
+
+
+def _subjaxprs(eqn):
+  """The jaxprs an equation's params hold (a while's cond and body, a cond's branches, a pjit's or shard_map's)."""
+  for v in eqn.params.values():
+    for sub in v if isinstance(v, tuple) else (v,):
+      if isinstance(sub, ClosedJaxpr):
+        yield sub.jaxpr
+      elif isinstance(sub, Jaxpr):
+        yield sub
+
+
+def _count(jaxpr, name: str) -> int:
+  return sum((eqn.primitive.name == name) + sum(_count(sub, name) for sub in _subjaxprs(eqn)) for eqn in jaxpr.eqns)
+
+
+def _decode_loops(jaxpr) -> list[int]:
+  """The conditionals in the body of each while loop that runs the model (holds a dot), in program order."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "while" and _count(eqn.params["body_jaxpr"].jaxpr, "dot_general"):
+      found.append(_count(eqn.params["body_jaxpr"].jaxpr, "cond"))
+    else:
+      found += [n for sub in _subjaxprs(eqn) for n in _decode_loops(sub)]
+  return found
+
+
+def test_a_window_chunk_reads_its_full_width_with_no_conditional(tiny):
+  """impl "window": the chunk's steps whose bucketed width is narrower than the window read through a switch (one
+  conditional a layer); the steps at the window's own width run in a second loop with none (XLA:CPU runs a
+  conditional as a called computation, ~8 us a layer: most of a batch-1 step). The bucketed read (the control)
+  has one loop, its conditionals in it. Equal bits either way: test_engine_chunks' window tests."""
+  graphdef, params = tiny
+  loops = {}
+  for impl in ("window", "bucketed"):
+    eng = _sharded_engine(graphdef, params, None, impl=impl)
+    loops[impl] = _decode_loops(jax.make_jaxpr(functools.partial(
+        device.generate, eng._static, sampling=eng.sampling, capacity=5, eos_ids=EOS, pad_id=0, layout=eng.layout,
+        window_pages=4 if impl == "window" else 0))(eng.params, eng.state, eng.key, np.zeros(1, np.int32),
+                                                    np.int32(5)).jaxpr)
+  assert loops == {"window": [TINY.n_layers, 0], "bucketed": [TINY.n_layers]}, loops
 
 
 @pytest.mark.parametrize("data, tensor", [(1, 1), (2, 2)])

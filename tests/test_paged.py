@@ -378,3 +378,28 @@ def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, p
   want = _numpy_attention(exact(q)[:3], exact(k_pool)[1], exact(v_pool)[1], table[:3], lengths[:3] - 1)
   np.testing.assert_allclose(np.asarray(got[:3], np.float32), want, atol=atol, rtol=0)
   np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
+
+
+def test_a_window_reads_bucketeds_width_whatever_its_own():
+  """A decode step through open windows of 4, 8 and 16 pages (16-token pages; rows at positions 40-63, i.e. 3-4
+  pages: `bucketed` reads 4) gives the same output bit for bit: the step reads the window's first 4 pages (a
+  switch; the 4-page window at its own width, `window_full`, with no switch). Reading every column of the 8- and
+  16-page windows instead (`window_full=True` on them), the outputs differed from the 4-page read in the last bits
+  on XLA:CPU (8 rows, head_dim 64: the softmax's sum and the p.v dot over 128+ columns round otherwise)."""
+  B, S, M, L, K, N, H = 8, 16, 16, 1, 2, 4, 64
+  k_pool = jax.random.normal(jax.random.key(11), (L, B * M, S, K, H))
+  v_pool = jax.random.normal(jax.random.key(12), (L, B * M, S, K, H))
+  table = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+  pos = jax.random.randint(jax.random.key(13), (B, 1), 40, 64)
+  q = jax.random.normal(jax.random.key(14), (B, 1, N, H))
+  new = jax.random.normal(jax.random.key(15), (B, 1, K, H))
+  cache = PagedKVCache(k_LPSKH=k_pool, v_LPSKH=v_pool, table_BM=table, page_size=S, impl="window")
+
+  def step(n: int, full: bool):
+    opened = cache.open_window(n, jnp.float32, pos[:, 0]).replace(window_full=full)
+    return np.asarray(jax.jit(lambda c: c.attend(0, q, new, new, pos)[0])(opened))
+
+  want = step(4, full=True)  # the window at its own width
+  np.testing.assert_array_equal(step(4, full=False), want)
+  for n in (8, 16):
+    np.testing.assert_array_equal(step(n, full=False), want)

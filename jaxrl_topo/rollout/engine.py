@@ -260,7 +260,7 @@ class RolloutEngine:
     if not 0 < n_steps <= e.chunk_capacity:
       raise ValueError(f"a chunk of {n_steps} steps; EngineConfig allows 1..{e.chunk_capacity} (chunk_capacity)")
     # The chunk length is traced (one program whatever it is); the outputs have chunk_capacity rows.
-    window = self._window_pages(n_steps, after)
+    window = self._window_pages(after)
     out = generate(self._static, self.params, self.state, self.key, floor_D, np.int32(n_steps),
                    sampling=self.sampling, capacity=e.chunk_capacity, eos_ids=e.eos_ids, pad_id=e.pad_id,
                    layout=self.layout, n_rows=0 if rows == self.pool.slots_per_shard else rows, window_pages=window)
@@ -269,11 +269,11 @@ class RolloutEngine:
     return _Dispatched(firsts, chunk, self._epoch_B.copy(), self.gen_id, rows=rows * self.pool.n_shards,
                        steps=n_steps, window=window, floored=bool(floor_D.max() > 1), live_B=self.host.active_B.copy())
 
-  def _window_pages(self, n_steps: int, after: _Dispatched | None) -> int:
+  def _window_pages(self, after: _Dispatched | None) -> int:
     """impl "window": the window's pages for the next chunk (host_state.window_pages); 0 for the other reads."""
     if self.impl != "window":
       return 0
-    return window_pages(self.host, self.pool.lengths(), self._epoch_B, after, n_steps, self.ecfg.page_size,
+    return window_pages(self.host, self.pool.lengths(), self._epoch_B, after, self.ecfg.page_size,
                         self.ecfg.max_pages_per_seq)
 
   def _read(self, d: _Dispatched):

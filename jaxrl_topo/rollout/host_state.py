@@ -73,29 +73,21 @@ def _pow2(n: int) -> int:
 
 
 def window_pages(host: _SlotMirror, lengths_B: np.ndarray, epoch_B: np.ndarray, after: _Dispatched | None,
-                 n_steps: int, page_size: int, max_pages: int) -> int:
+                 page_size: int, max_pages: int) -> int:
   """impl "window": pages, a power of two (at most max_pages), holding the next position any row can write.
   A bound from the host's counts (`lengths_B`: every slot's tokens so far): a row live in the unread chunk
   `after` may be up to its steps further on, but no further than that chunk's own window (its guard stops rows
-  at the edge). The chunk ends when a live row outgrows the window (device.generate). Doubled when this width
-  falls short of the chunk's writes (its n_steps, or to each row's token limit) and the doubled one holds them
-  all: a chunk ending at the edge costs a host round trip, more, at small batch, than the wider reads of the
-  steps it saves (tests/test_engine_chunks.py checks the widths chosen)."""
+  at the edge). The chunk ends when a live row outgrows the window (device.generate), and the next one opens
+  twice as wide. Never wider than that: the steps at the window's own width read it with no `lax.switch`
+  (paged.py), and a window twice the width the rows need ran fixed-length decode up to 1.17x slower than
+  ending the chunk at the edge (benchmarks/RESULTS.md; tests/test_engine_chunks.py checks the widths chosen)."""
   S, M, h = page_size, max_pages, host
   ahead, edge, ran = 0, 0, np.zeros(len(h.active_B), bool)
   if after is not None:  # rows live in it (same sequence still in the slot) advance at most its steps, to its edge
     ahead, edge = after.steps, after.window * S or np.iinfo(np.int32).max
     ran = (epoch_B == after.epoch_B) & after.live_B
-
-  def after_B(pos_B):  # positions once the unread chunk has run (a slot it did not decode keeps its own)
-    return np.where(ran, np.maximum(pos_B, np.minimum(pos_B + ahead, edge)), pos_B)
-
-  tight = min(M, _pow2(int(after_B(lengths_B).max()) // S + 1))
-  live = h.active_B
-  if not live.any():
-    return tight
-  last = int(np.minimum(h.pos_B + np.minimum(h.left_B, ahead + n_steps), after_B(h.pos_B) + n_steps)[live].max()) - 1
-  return min(M, 2 * tight) if tight <= last // S < 2 * tight else tight
+  after_B = np.where(ran, np.maximum(lengths_B, np.minimum(lengths_B + ahead, edge)), lengths_B)
+  return min(M, _pow2(int(after_B.max()) // S + 1))
 
 
 def count_chunk(stats, emitted_KB: np.ndarray, d: _Dispatched, n_slots: int) -> None:

@@ -31,13 +31,16 @@ Five read paths, chosen by the static `impl`:
              width holds every write of the chunk (host_state.window_pages); the chunk ends before a row
              outgrows them). Each step appends its token's K/V there (and to the pool) and reads, in place, the
              window's first pages as many as `bucketed` would read at that step (a `lax.switch` over the widths
-             up to n), the kv head leading both dots, so no step gathers (keys [B, K, H, W], not [B, K, W, H]:
-             XLA:CPU ran the q.k dot over the minor axis 2x slower). Reading bucketed's width, not the
+             below n; the steps at width n itself run in a second loop with no switch, `window_full`: an
+             XLA:CPU conditional costs ~8 us a layer, most of a batch-1 step), the kv head leading both dots,
+             so no step gathers (keys [B, K, H, W], not [B, K, W, H]: XLA:CPU ran the q.k dot over the minor
+             axis 2x slower). Reading bucketed's width, not the
              window's, keeps a row's bits a function of the positions decoded, as bucketed's are: the window's
              width follows where chunks end, and XLA:CPU rounds a softmax or a dot over more columns, masked
              zeros included, differently (tests/test_engine_chunks.py). On a 2-core CPU this removed most of the
              read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: one decode
-             program per (rows, n) pair met, and the chunk's rows held a second time, in the compute dtype.
+             program per (rows, n) pair met (holding the step twice, one per loop), and the chunk's rows held a
+             second time, in the compute dtype.
              Outside an open window it reads as reference.
   Prefill (T > 1) always takes the reference path.
 All reads index (layer, page) in one gather on the whole [L, P, S, K, H] pool: slicing the layer out
@@ -93,6 +96,9 @@ class PagedKVCache:
   # (the q.k dot's contraction over H then reads rows, not columns), values [B, K, n*S, H]
   window_k: tuple | None = None
   window_v: tuple | None = None
+  # window: every step reads the whole open window (device.generate runs such steps only while the bucketed width
+  # is the window's), so no step needs the switch over narrower widths
+  window_full: bool = struct.field(pytree_node=False, default=False)
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
@@ -144,10 +150,10 @@ class PagedKVCache:
       return tuple(x_LPSKH[i, pages_Bn].reshape(B, n * S, K, H).transpose(order).astype(dtype)
                    for i in range(x_LPSKH.shape[0]))
     window_v = tuple(_zero_hidden(x, written_B1W1) for x in layers(self.v_LPSKH, (0, 2, 1, 3)))
-    return self.replace(window_k=layers(self.k_LPSKH, (0, 2, 3, 1)), window_v=window_v)
+    return self.replace(window_k=layers(self.k_LPSKH, (0, 2, 3, 1)), window_v=window_v, window_full=False)
 
   def close_window(self) -> PagedKVCache:
-    return self.replace(window_k=None, window_v=None)
+    return self.replace(window_k=None, window_v=None, window_full=False)
 
   def attend(self, layer: int, q_BTNH, k_BTKH, v_BTKH, positions_BT):
     """Stores this layer's new keys/values at `positions_BT`, then attends over s <= position."""
@@ -196,14 +202,21 @@ def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B)
     return _attend_by_head(q_BNH, k_BKHW[..., : n * S], v_BKWH[:, :, : n * S],
                            jnp.arange(n * S)[None, :] <= pos_B[:, None], keys="BKHW", zero_hidden=False)
 
-  widths = _widths(min(W // S, M))
-  used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
-  out_BNH = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), used),
+  if new.window_full:  # the step's bucketed width is the window's (device.generate): no switch
+    return read(W // S, q_BTNH[:, 0])[:, None], new
+  widths = read_widths(min(W // S, M))
+  out_BNH = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), pages_read(pos_B, S, M)),
                            [functools.partial(read, n) for n in widths], q_BTNH[:, 0])
   return out_BNH[:, None], new
 
 
-def _widths(M: int) -> list[int]:
+def pages_read(pos_B, S: int, M: int):
+  """The most pages any row holds (positions 0..pos; a row with pos < 0 none), at most M: `bucketed` reads this
+  many rounded up to the next of `read_widths(M)`."""
+  return jnp.max(jnp.clip(pos_B // S + 1, 0, M))
+
+
+def read_widths(M: int) -> list[int]:
   """The page counts a bucketed read may take for rows of at most M pages: powers of two below M, and M."""
   return sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
 
@@ -303,9 +316,8 @@ def _decode_bucketed(q_BNH, k_LPSKH, v_LPSKH, layer: int, table_BM, pos_B, page_
   No loop: one gather and two matmuls, reading at most twice the longest row's pages."""
   M = table_BM.shape[1]
   S = page_size
-  widths = _widths(M)
-  used = jnp.max(jnp.clip(pos_B // S + 1, 0, M))
-  branch = jnp.searchsorted(jnp.asarray(widths), used)  # first width >= used (used = 0 -> width 1)
+  widths = read_widths(M)
+  branch = jnp.searchsorted(jnp.asarray(widths), pages_read(pos_B, S, M))  # first width >= it (0 -> width 1)
 
   read = _read_folded if fold_heads else _read_by_head
   branches = [functools.partial(read, k_LPSKH=k_LPSKH, v_LPSKH=v_LPSKH, layer=layer, pages_Bn=table_BM[:, :n],
