@@ -209,13 +209,14 @@ def test_abort_and_resume_recomputes_the_prefix_under_the_new_weights(tiny):
   _, new = _tiny_params(seed=7)
   prompts = _prompts(3, seed=12)
   requests = [Request(p, max_new_tokens=14) for p in prompts]
-  under_old = _engine(graphdef, params, eos_ids=()).run(requests)
-  eng = _engine(graphdef, params, eos_ids=())
+  read = dict(eos_ids=(), impl="bucketed")  # whole chunks (a window's ends early at its edge): the swap lands at 6
+  under_old = _engine(graphdef, params, **read).run(requests)
+  eng = _engine(graphdef, params, **read)
   got = eng.run(requests, on_chunk=_swap_once(new, "abort_and_resume"))
   assert eng.stats["aborted"] == 3 and eng.stats["resumed"] == 3
   # Reference: the new weights continuing each prompt + the tokens sampled before the swap.
   cut = [s.gen_ids.index(1) for s in got]
-  resumed = _engine(graphdef, new, eos_ids=()).run(
+  resumed = _engine(graphdef, new, **read).run(
       [Request(p + s.tokens[:c], max_new_tokens=14 - c) for p, s, c in zip(prompts, got, cut, strict=True)])
   for s, old, ref, c in zip(got, under_old, resumed, cut, strict=True):
     assert c == 1 + eng.ecfg.decode_chunk, "the swap landed after the first chunk"
