@@ -242,8 +242,9 @@ class RolloutEngine:
     counts now (finished in it or in the chunk not yet read): waiting requests need not wait it out.
     `pack` (run()'s loop): the steps compute only the live rows (below). JetStream's `generate` does
     not pack: its chunks keep their fixed length (with impl "window" a chunk also ends early when its longest row
-    outgrows the window). `after`: the dispatched chunk not read yet (impl "window" sizes its window from the
-    host's token counts, which lag the device by that chunk's steps)."""
+    outgrows the window, or the longest ends and the read's width falls). `after`: the dispatched chunk not read
+    yet (impl "window" sizes its window from the host's token counts, which lag the device by that chunk's
+    steps)."""
     self._flush()
     e = self.ecfg
     n_steps = n_steps or e.decode_chunk
