@@ -124,11 +124,11 @@ def test_three_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(trio, solo):
   # Long-tail migration was on (mux.migrate_at=0.5): stragglers moved to the 8-row tail engine and decoded
   # there in some rollout phase of each job (a tail that ends inside the chunk in flight has nothing to move).
   moved = [s for s in group.spans if s["pool"] == "rollout" and s.get("moved_at") is not None]
-  assert {s["job"] for s in moved} == {"a", "b"}  # observed: job c never had a tail to move
+  assert {"a", "b"} <= {s["job"] for s in moved}  # job c's tails may end inside the chunk in flight
   assert all(s["tail_slots"] == 8 and s["tail_devices"] == [4, 5] and s["tail_steps"] > 0 and s["freed_kv_bytes"] > 0
              for s in moved), moved
-  # Job a (bucketed read) moves a shard's stragglers as they are; job b (row-exact read) merged both shards' into
-  # the tail's one in some phase, and its metrics still equal its solo run's (above).
+  # Job a (window read, auto on CPU) moves a shard's stragglers as they are; job b (row-exact read) merged both
+  # shards' into the tail's one in some phase, and its metrics still equal its solo run's (above).
   assert all(s["moved_from_shards"] == 1 for s in moved if s["job"] == "a")
   assert any(s["moved_from_shards"] == 2 for s in moved if s["job"] == "b"), moved
 
@@ -159,13 +159,13 @@ def test_warm_switches_park_state_in_host_memory_and_never_recompile(trio):
   group, _ = trio
   for job in group.jobs.values():
     assert job.compiled, "no compile counts were taken after the first cycle"
-    # Programs of one shape per job: a warm switch that changed a layout would compile them again. (prefill and
-    # generate are shared by the jobs and keyed by data-dependent static shapes too: the live-row batch of a
-    # decode step, a held-out evaluation's prompt length and greedy sampling, so a later phase may meet a new
-    # one; they are not compared here.)
+    # The job's own program, of one shape: a warm switch that changed a layout would compile it again. (prefill,
+    # generate and patch are shared by the jobs and their tail engines, and keyed by data-dependent static shapes
+    # too: the live-row batch and window of a decode step, a held-out evaluation's prompt length and greedy
+    # sampling, the first phase whose stragglers move to a tail, so a later phase may meet a new one; they are not
+    # compared here.)
     now = compile_counts(job.exp)
-    assert {k: now[k] for k in ("train_step", "patch")} == {k: job.compiled[k] for k in ("train_step", "patch")}, \
-        "a warm switch recompiled a program"
+    assert now["train_step"] == job.compiled["train_step"], "a warm switch recompiled a program"
     assert now["train_step"] == 1
     for parked in (job.exp.state, job.exp.engine.params):  # both off their pools after the run
       assert isinstance(parked, warm.Parked)
