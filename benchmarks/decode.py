@@ -314,7 +314,7 @@ def main():
   args.preset = args.preset or ("llama3-4l-256" if fixed else "tiny")
   cfg = FIXED_MODEL if args.preset == "llama3-4l-256" else get_preset(args.preset)
   cfg = dataclasses.replace(cfg, **({"dtype": args.dtype} if args.dtype else {}))
-  graphdef, params = init_params(cfg, jax.random.key(args.seed))
+  graphdef, params = init_params(cfg, jax.random.key(args.seed), compiled=False)  # one program: ~1 min on GPU
   params = jax.block_until_ready(jax.jit(lambda p: cast_params(p, jnp.dtype(cfg.dtype)))(params))
   w_bytes, per_tok = weight_bytes(params), kv_bytes_per_token(cfg)
   bw = copy_gbps(int(args.copy_mb * 2**20))

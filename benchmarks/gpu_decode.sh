@@ -3,10 +3,12 @@
 # OUT (default /tmp/gpu_decode_out; the device machine sets OUT): the fixed-length batch-256 run with a per-step
 # kernel trace (decode.py --profile), then the leads RESULTS.md names (all GEMMs through cuBLAS; rbg random bits),
 # each beside dense in the same process.
-# JAX_LOG_COMPILES=1 logs every compile, so a run that stalls shows where (an engine warm-up once stalled > 110 s);
-# a run past its LIMIT gets SIGABRT first, and PYTHONFAULTHANDLER=1 then writes every thread's Python stack to its log.
+# JAX_LOG_COMPILES=1 logs every compile, so a run that stalls shows where (runs once 'stalled' past 90-120 s: the
+# model's random init compiled for 48-62 s; decode.py now builds it op by op);
+# a run past its limit gets SIGABRT first, and PYTHONFAULTHANDLER=1 then writes every thread's Python stack to its log.
 #
 #   bash benchmarks/gpu_decode.sh                                      # on the GPU machine (its python3)
+#   RUNS='cublas window0' bash benchmarks/gpu_decode.sh                # some runs only (names: the case below)
 #   PYTHON=.venv/bin/python JAX_PLATFORMS=cpu PRESET=tiny DTYPE=float32 BATCH=8 PROMPT=16 NEW=16 IMPL=dense,paged \
 #       bash benchmarks/gpu_decode.sh                                  # a smoke run on CPU (about a minute)
 set -u
@@ -15,20 +17,20 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_decode_out}
 PRESET=${PRESET:-qwen2.5-0.5b} DTYPE=${DTYPE:-bfloat16} BATCH=${BATCH:-256} PROMPT=${PROMPT:-128} NEW=${NEW:-256}
-IMPL=${IMPL:-dense,paged:pallas} LIMIT=${LIMIT:-150}
+IMPL=${IMPL:-dense,paged:pallas} LIMIT=${LIMIT:-150}  # LIMIT scales each run's own limit (150 = as written)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1
 "$PYTHON" -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" > "$OUT/versions.txt" 2>&1
 args=(--workload=fixed "--preset=$PRESET" "--dtype=$DTYPE" "--batches=$BATCH" "--prompt_len=$PROMPT"
       "--new_tokens=$NEW" --repeats=3 "--impl=$IMPL")
 
-run() {  # run NAME [ENV=VALUE ...] -- [extra decode.py flags]: one process, its JSON lines and its log
-  local name=$1; shift
+run() {  # run NAME SECONDS [ENV=VALUE ...] -- [extra decode.py flags]: one process, its JSON lines and its log
+  local name=$1 limit=$(( $2 * LIMIT / 150 )); shift 2
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
   local t0=$SECONDS
-  env "${envs[@]}" timeout -s ABRT -k 20 "$LIMIT" "$PYTHON" benchmarks/decode.py "${args[@]}" "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.log"
+  env "${envs[@]}" timeout -s ABRT -k 20 "$limit" "$PYTHON" benchmarks/decode.py "${args[@]}" "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.log"
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - t0)) s; $(grep -c '"bench": "decode"' "$OUT/$name.jsonl") result lines"
   grep -E '^\[decode\]' "$OUT/$name.log" | tail -4
@@ -39,6 +41,29 @@ run() {  # run NAME [ENV=VALUE ...] -- [extra decode.py flags]: one process, its
   fi
 }
 
-run base -- "--profile=$OUT/trace"
-run cublas XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --
-run rbg JAX_DEFAULT_PRNG_IMPL=rbg --
+# GPU load every 2 s beside the runs: a stalled run at ~100% is a kernel still running; at 0% the host waits
+command -v nvidia-smi > /dev/null && { nvidia-smi dmon -s u -d 2 -o T > "$OUT/dmon.txt" 2>&1 & }
+noat=--xla_gpu_autotune_level=0  # compile-time autotuning off: the rbg and window compiles stalled past 60-120 s
+for r in ${RUNS:-base window cublas rbg}; do
+  case $r in
+    base) run base 150 -- "--profile=$OUT/trace" ;;
+    window) run window 140 -- --impl=dense,paged:window ;;  # the XLA read that is CPU's default
+    window0) run window0 110 XLA_FLAGS=$noat -- --impl=dense,paged:window ;;
+    cublas) run cublas 90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false -- ;;
+    rbg) run rbg 90 JAX_DEFAULT_PRNG_IMPL=rbg -- ;;
+    rbg0) run rbg0 80 JAX_DEFAULT_PRNG_IMPL=rbg XLA_FLAGS=$noat -- ;;
+    *) echo "RUNS: unknown run '$r' (base window window0 cublas rbg rbg0)"; exit 2 ;;
+  esac
+  [ -s "$OUT/dmon.txt" ] && echo "  GPU load (sm %) over the run's last 20 s: $(tail -10 "$OUT/dmon.txt" | awk '{printf "%s ", $3}')"
+done
+kill %1 2> /dev/null
+# the table last (the device tool returns the output's tail): tokens/s, step ms, MBU and ratio to dense per run
+"$PYTHON" - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
+  for line in open(f):
+    r = json.loads(line) if line.startswith("{") else {}
+    if r.get("bench") == "decode":
+      print(f"{os.path.basename(f)[:-6]:8s} {r['impl']:14s} {r['tokens_per_s']:9.0f} tok/s  step {1e3 * r['step_s']:.2f} ms"
+            f"  MBU {r['mbu']:.3f}  vs dense {r.get('vs_dense', 1.0):.2f}  copy {r['copy_gbps']:.0f} GB/s  {r['device']}")
+PY

@@ -164,7 +164,7 @@ def check_parts(batch: int, preset: str):
   (hidden -> logits) and sampling over the full vocabulary (temperature 1 and greedy), median ms each,
   next to the time the weights take to read once at the copy bandwidth (the step's floor without KV)."""
   cfg = dataclasses.replace(get_preset(preset), dtype="bfloat16")
-  graphdef, params = init_params(cfg, jax.random.key(0))
+  graphdef, params = init_params(cfg, jax.random.key(0), compiled=False)  # one program: ~1 min on GPU
   params = cast_params(params, jnp.bfloat16)
   bw = copy_gbps((512 if jax.default_backend() == "gpu" else 64) * 2**20)  # decode.py's copy test and sizes
   h = jax.random.normal(jax.random.key(1), (batch, 1, cfg.d_model), jnp.bfloat16)

@@ -177,6 +177,19 @@ def test_sharded_logits_match_single_device(rules_name, axes):
       f"logits laid out as {got.sharding.spec}, rules say {want_sharding.spec}: the constraint is not applied")
 
 
+def test_init_params_op_by_op_draws_the_compiled_values_up_to_rounding():
+  """compiled=False (benchmarks: no 1-minute compile of one init program on a GPU) draws the same parameters:
+  same tree, shapes and dtypes, values equal but for the last bits; with a mesh it refuses (it cannot shard)."""
+  _, want = _init(TINY)
+  _, got = init_params(TINY, jax.random.key(0), compiled=False)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=0)
+  _, other = init_params(TINY, jax.random.key(1), compiled=False)  # the key matters: not a constant init
+  assert not np.allclose(other["embed_tokens"], got["embed_tokens"])
+  with pytest.raises(ValueError, match="compiled=False"):
+    init_params(TINY, jax.random.key(0), make_mesh({"fsdp": 8}), TRAIN_RULES, compiled=False)
+
+
 def test_init_params_on_a_mesh_is_born_sharded():
   mesh = make_mesh({"fsdp": 4, "tensor": 2})
   _, abstract = abstract_model(TINY)
