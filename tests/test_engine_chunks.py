@@ -233,34 +233,3 @@ def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch
   assert got[0].tokens == _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run([z])[0].tokens
   z_windows = [w for w, epochs in windows if epochs[0] > 1]  # dispatches after Z took slot 0
   assert z_windows and z_windows[0] == 1, windows
-
-
-def test_a_window_reads_the_same_bits_however_wide_it_is(tiny, monkeypatch):
-  """impl "window", two requests of 100 tokens (the live rows, hence the packed batch, the same throughout), 4-token
-  pages, chunks of 4 steps. The windows double as the rows grow (up to 32 pages); then again, with each window
-  opened twice as wide as the rows need (up to 64). Each step reads the pages `bucketed` would (a
-  switch over the widths below the window's, the window itself at its own width), so tokens and log-probs are
-  equal bit for bit. (That a whole-window read would not be: test_paged's
-  test_a_window_reads_bucketeds_width_whatever_its_own; on this tiny model it happened to be.)"""
-  graphdef, params = tiny
-  a, b = _prompts(2, seed=9, max_len=8)
-  two = [Request(a, max_new_tokens=100), Request(b, max_new_tokens=100)]
-  windows = []
-  generate = engine_lib.generate
-
-  def spy(*args, **kw):
-    windows.append(kw["window_pages"])
-    return generate(*args, **kw)
-
-  monkeypatch.setattr(engine_lib, "generate", spy)
-  kw = dict(n_slots=2, n_pages=128, max_len=256, eos_ids=(), impl="window")
-  tight = _engine(graphdef, params, decode_chunk=4, tail_chunk=4, **kw).run(two)
-  tight_windows, windows[:] = list(windows), []
-  window_pages = engine_lib.window_pages
-  monkeypatch.setattr(engine_lib, "window_pages", lambda *a: min(a[-1], 2 * window_pages(*a)))  # twice as wide
-  wide = _engine(graphdef, params, decode_chunk=4, tail_chunk=4, **kw).run(two)
-  assert max(tight_windows) == 32 and max(windows) == 64 and 16 in tight_windows and 32 in windows, (tight_windows,
-                                                                                                      windows)
-  assert [s.tokens for s in wide] == [s.tokens for s in tight] and len(tight[0].tokens) == 100
-  for got, want in zip(wide, tight, strict=True):
-    np.testing.assert_array_equal(got.logprobs, want.logprobs)
