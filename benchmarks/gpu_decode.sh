@@ -43,7 +43,7 @@ run() {  # run NAME SECONDS [ENV=VALUE ...] -- [extra decode.py flags]: one proc
 
 # GPU load every 2 s beside the runs: a stalled run at ~100% is a kernel still running; at 0% the host waits
 command -v nvidia-smi > /dev/null && { nvidia-smi dmon -s u -d 2 -o T > "$OUT/dmon.txt" 2>&1 & }
-noat=--xla_gpu_autotune_level=0  # compile-time autotuning off: the rbg and window compiles stalled past 60-120 s
+noat=--xla_gpu_autotune_level=0  # compile-time autotuning off (window's program compiled > 65 s with it, > 40 s without)
 for r in ${RUNS:-base window cublas rbg}; do
   case $r in
     base) run base 150 -- "--profile=$OUT/trace" ;;

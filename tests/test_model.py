@@ -177,11 +177,18 @@ def test_sharded_logits_match_single_device(rules_name, axes):
       f"logits laid out as {got.sharding.spec}, rules say {want_sharding.spec}: the constraint is not applied")
 
 
-def test_init_params_op_by_op_draws_the_compiled_values_up_to_rounding():
-  """compiled=False (benchmarks: no 1-minute compile of one init program on a GPU) draws the same parameters:
-  same tree, shapes and dtypes, values equal but for the last bits; with a mesh it refuses (it cannot shard)."""
-  _, want = _init(TINY)
-  _, got = init_params(TINY, jax.random.key(0), compiled=False)
+def test_init_params_op_by_op_draws_the_compiled_values_up_to_rounding(caplog):
+  """compiled=False (benchmarks: no 1-minute compile of one init program on a GPU) compiles no whole-model init
+  program and draws the same parameters: same tree, shapes and dtypes, values equal but for the last bits; with a
+  mesh it refuses (it cannot shard). A 1-layer model, so no earlier test compiled its init program."""
+  cfg = dataclasses.replace(TINY, n_layers=1)
+  with caplog.at_level("WARNING"), jax.log_compiles():
+    _, got = init_params(cfg, jax.random.key(0), compiled=False)
+  assert not [r for r in caplog.messages if "jit(init)" in r], "compiled=False compiled the whole init"
+  caplog.clear()
+  with caplog.at_level("WARNING"), jax.log_compiles():
+    _, want = init_params(cfg, jax.random.key(0))  # the check's own control: the compiled init is logged
+  assert [r for r in caplog.messages if "jit(init)" in r], "jax.log_compiles logged no init compile: check is blind"
   chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
   chex.assert_trees_all_close(got, want, atol=1e-6, rtol=0)
   _, other = init_params(TINY, jax.random.key(1), compiled=False)  # the key matters: not a constant init
