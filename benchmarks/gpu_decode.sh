@@ -47,12 +47,13 @@ noat=--xla_gpu_autotune_level=0  # compile-time autotuning off (window's program
 for r in ${RUNS:-base window cublas rbg}; do
   case $r in
     base) run base 150 -- "--profile=$OUT/trace" ;;
+    plain) run plain 110 -- ;;  # base without the trace
     window) run window 140 -- --impl=dense,paged:window ;;  # the XLA read that is CPU's default
     window0) run window0 110 XLA_FLAGS=$noat -- --impl=dense,paged:window ;;
     cublas) run cublas 90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false -- ;;
     rbg) run rbg 90 JAX_DEFAULT_PRNG_IMPL=rbg -- ;;
     rbg0) run rbg0 80 JAX_DEFAULT_PRNG_IMPL=rbg XLA_FLAGS=$noat -- ;;
-    *) echo "RUNS: unknown run '$r' (base window window0 cublas rbg rbg0)"; exit 2 ;;
+    *) echo "RUNS: unknown run '$r' (base plain window window0 cublas rbg rbg0)"; exit 2 ;;
   esac
   [ -s "$OUT/dmon.txt" ] && echo "  GPU load (sm %) over the run's last 20 s: $(tail -10 "$OUT/dmon.txt" | awk '{printf "%s ", $3}')"
 done

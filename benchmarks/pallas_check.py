@@ -8,8 +8,9 @@ JSON lines out, one per check:
            the idle row must be exactly 0.
   read     one layer's decode read at the Qwen2.5-0.5B shape (14 query / 2 KV heads, head_dim 64, pages of 16),
            bf16 pool, B rows of lognormal contexts (median `--median_ctx`): median µs of the bucketed XLA read and
-           of the kernel at 1, 2, 4 and 8 pages per loop trip (`pallas:C`), and GB/s of the K/V bytes the rows
-           actually hold (what an ideal read touches).
+           of the kernel at 1, 2, 4 and 8 pages per loop trip (`pallas:C`, 2 warps a program) and at the
+           default pages per trip with 1, 4 (Pallas' own default) and 8 warps (`pallas:C:wN`), and GB/s of the
+           K/V bytes the rows actually hold (what an ideal read touches).
   engine   RolloutEngine(impl=pallas / bucketed / auto) greedy on the tiny preset (fp32) against generate_dense,
            at matmul precision "highest" (log-probs within 1e-5 expected) and "default" (TF32 on a GPU): tokens
            equal, max |Δ log-prob|, and the read "auto" resolved to.
@@ -42,10 +43,11 @@ from jaxrl_topo.models.presets import get_preset  # noqa: E402
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense  # noqa: E402
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
 from jaxrl_topo.rollout.paged import _decode_bucketed  # noqa: E402
-from jaxrl_topo.rollout.pallas_paged import decode_attention  # noqa: E402
+from jaxrl_topo.rollout.pallas_paged import TRIP_ELEMENTS, decode_attention  # noqa: E402
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys  # noqa: E402
 
 PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
+NUM_WARPS_SWEEP = (1, 4, 8)  # at the default pages per trip, beside the kernel's default warps (2)
 
 
 def emit(**row):
@@ -123,6 +125,9 @@ def check_read(rng, batch, median_ctx):
   reads = {"bucketed": xla}
   for C in PAGES_PER_TRIP_SWEEP:
     reads[f"pallas:{C}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, pages_per_trip=C))
+  C = max(1, min(8, TRIP_ELEMENTS // (S * H)))
+  for w in NUM_WARPS_SWEEP:
+    reads[f"pallas:{C}:w{w}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, num_warps=w))
   want = xla(q, k, v, table, pos).astype(jnp.float32)
   useful = float(lengths.sum()) * 2 * K * H * 2  # K and V, bf16
   for name, f in reads.items():
@@ -186,7 +191,12 @@ def main():
   parser.add_argument("--batches", default="256", help="read: comma-separated row counts")
   parser.add_argument("--median_ctx", default="384", help="read: comma-separated median contexts")
   parser.add_argument("--parts_preset", default="qwen2.5-0.5b", help="parts: the model shape (bf16)")
+  parser.add_argument("--checks", default="kernel,engine,parts,read", help="comma-separated checks to run")
   args = parser.parse_args()
+  wanted = args.checks.split(",")
+  unknown = set(wanted) - {"kernel", "engine", "parts", "read"}
+  if unknown:
+    parser.error(f"--checks: unknown {sorted(unknown)} (kernel, engine, parts, read)")
   rng = np.random.default_rng(0)
   checks = [("kernel", functools.partial(check_kernel, rng)), ("engine", functools.partial(check_engine, "highest")),
             ("engine", functools.partial(check_engine, "default")),
@@ -194,7 +204,8 @@ def main():
   checks += [("read", functools.partial(check_read, rng, int(b), int(c)))
              for b in args.batches.split(",") for c in args.median_ctx.split(",")]
   failed = 0
-  for name, check in checks:  # a check that fails (a lowering error, say) is reported and the rest still run
+  # a check that fails (a lowering error, say) is reported and the rest still run
+  for name, check in [(n, c) for n, c in checks if n in wanted]:
     try:
       check()
     except Exception as e:  # noqa: BLE001

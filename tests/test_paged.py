@@ -4,6 +4,7 @@ valid tokens; paged == dense == full forward."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -378,6 +379,18 @@ def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, p
   want = _numpy_attention(exact(q)[:3], exact(k_pool)[1], exact(v_pool)[1], table[:3], lengths[:3] - 1)
   np.testing.assert_allclose(np.asarray(got[:3], np.float32), want, atol=atol, rtol=0)
   np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)
+
+
+def test_pallas_kernel_takes_the_group_unpadded():
+  """The kernel loads a group's 7 query heads as 16 masked rows and stores only the 7: the program holds no pad
+  of q and no slice of the output (two XLA kernels a layer on a GPU, 5.5% of the step before)."""
+  from jaxrl_topo.rollout.pallas_paged import decode_attention
+
+  q, pool = jnp.zeros((2, 14, 16)), jnp.zeros((1, 4, 4, 2, 16))
+  table, pos = jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32)
+  text = str(jax.make_jaxpr(functools.partial(decode_attention, layer=0, page_size=4))(q, pool, pool, table, pos))
+  assert "pallas_call" in text
+  assert " pad[" not in text and " slice[" not in text, text
 
 
 def test_a_window_reads_bucketeds_width_whatever_its_own():

@@ -9,9 +9,9 @@ Alphabet as in paged.py: L layers, P pages, S slots per page, K KV heads, G quer
 H head dim, B rows, M pages per row.
 
 On GPU (Triton lowering) the block dims must be powers of two and large enough for `tl.dot` (>= 16).
-The query heads of a group are padded with zero rows to Gp = max(16, next power of two of G) (Qwen2.5's
-G = 7 runs as 16 rows; decode attention is bound by reading K/V, not by these rows' FLOPs) and sliced
-off after; S and H must be powers of two >= 16 themselves, which `supported` checks, the engine falling
+A group's query heads load as Gp = max(16, next power of two of G) rows, the rows past G masked to zero on
+load and left out of the store (Qwen2.5's G = 7 runs as 16 rows; decode attention is bound by reading K/V, not
+by these rows' FLOPs); S and H must be powers of two >= 16 themselves, which `supported` checks, the engine falling
 back to the XLA path otherwise. As in the XLA reads, q.k runs in the query's dtype (K cast to it) and p.v in
 the pool's (p cast to it), with fp32 accumulation; fp32 operands at full precision, never tf32, so fp32
 log-probs stay within 1e-5 of the trainer's. On CPU the kernel runs in Pallas interpret mode, which is how
@@ -29,15 +29,19 @@ import jax.numpy as jnp
 
 try:
   from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover  (an install without Pallas: "auto" picks the XLA read)
-  pl = None
+  pl = plgpu = None
 
 _MASKED = -1e30
-# Keys one loop trip reads x head dim. 8 pages of 16 slots at head_dim 64 (Qwen2.5-0.5B) measured fastest of
-# C = 1, 2, 4, 8 pages per trip on an H100 (benchmarks/RESULTS.md: one layer's read at batch 256, 192 / 204 / 254 /
-# 316 µs at median context 256 for C = 8 / 4 / 2 / 1). Larger pages or heads take fewer pages per trip, so a trip's
-# K and V blocks (which live in registers) stay that size; that scaling is a rule, not a measurement.
-TRIP_ELEMENTS = 8 * 16 * 64
+# Keys one loop trip reads x head dim, and Triton warps per program. 4 pages of 16 slots at head_dim 64
+# (Qwen2.5-0.5B) with 2 warps decoded fastest on an H200 (benchmarks/RESULTS.md: the engine's batch-256 step 2.64 ms
+# against 2.75 ms at 4 pages with Pallas' default 4 warps and 2.96 ms at 8 pages; dense 3.4 ms). An H100 had
+# favoured 8 pages in a one-layer read with the earlier kernel (192 / 204 / 254 / 316 µs for 8 / 4 / 2 / 1).
+# Larger pages or heads take fewer pages per trip, so a trip's K and V blocks (which live in registers) stay that
+# size; that scaling is a rule, not a measurement.
+TRIP_ELEMENTS = 4 * 16 * 64
+NUM_WARPS = 2
 
 
 def supported(cfg, page_size: int, backend: str | None = None) -> bool:
@@ -60,8 +64,13 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
   b, kh = pl.program_id(0), pl.program_id(1)
   S, C, M = page_size, pages_per_trip, table_ref.shape[1]
   pos = pos_ref[b]
-  q_GH = q_ref[...]
-  G, H = q_GH.shape
+  # The group's G query heads load as Gp rows, the rows past G masked to zero (and never stored): padding in
+  # registers, where a pad and a slice of q and out in HBM cost two small XLA kernels a layer (5.5% of a GPU step).
+  G, H = q_ref.shape[2], q_ref.shape[3]
+  Gp = padded_group(G)
+  rows = jnp.arange(Gp) < G
+  q_GH = plgpu.load(q_ref.at[b, kh, pl.ds(0, Gp), :], mask=rows[:, None],
+                     other=jnp.zeros((), q_ref.dtype))
   n_trips = jnp.where(pos >= 0, (pos // S) // C + 1, 0)
 
   def trip(j, carry):
@@ -85,9 +94,10 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
     acc_GH = acc_GH * scale_G[:, None] + sum(_dot(p.astype(v.dtype), v) for p, v in zip(p_GS, v_SH, strict=True))
     return m_new_G, l_new_G, acc_GH
 
-  init = (jnp.full((G,), _MASKED, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
+  init = (jnp.full((Gp,), _MASKED, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, H), jnp.float32))
   _, l_G, acc_GH = jax.lax.fori_loop(0, n_trips, trip, init)
-  o_ref[...] = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
+  out_GH = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
+  plgpu.store(o_ref.at[b, kh, pl.ds(0, Gp), :], out_GH, mask=rows[:, None])
 
 
 def _dot(a, b):
@@ -96,28 +106,29 @@ def _dot(a, b):
                  precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip"))
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip", "num_warps"))
 def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, page_size: int,
-                     interpret: bool | None = None, pages_per_trip: int | None = None):
-  """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros)."""
+                     interpret: bool | None = None, pages_per_trip: int | None = None, num_warps: int | None = None):
+  """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros). pages_per_trip and
+  num_warps (Triton's warps per program) default to the measured best above; benchmarks/pallas_check.py sweeps
+  both."""
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
-  G = N // K
-  Gp = padded_group(G)
   pages_per_trip = pages_per_trip or max(1, min(8, TRIP_ELEMENTS // (page_size * H)))
+  num_warps = num_warps or NUM_WARPS
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  q_BKGH = jnp.pad(q_BNH.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+  q_BKGH = q_BNH.reshape(B, K, N // K, H)  # query head n = k * G + g (GQA's grouping)
   whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
-  row_head = pl.BlockSpec((None, None, Gp, H), lambda b, k: (b, k, 0, 0))
   out_BKGH = pl.pallas_call(
       functools.partial(_kernel, layer=layer, page_size=page_size, pages_per_trip=pages_per_trip),
-      out_shape=jax.ShapeDtypeStruct((B, K, Gp, H), q_BNH.dtype),
+      out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
       grid=(B, K),
-      in_specs=[whole(table_BM), whole(pos_B), row_head, whole(k_LPSKH), whole(v_LPSKH)],
-      out_specs=row_head,
+      in_specs=[whole(table_BM), whole(pos_B), whole(q_BKGH), whole(k_LPSKH), whole(v_LPSKH)],
+      out_specs=whole(q_BKGH),
       interpret=interpret,
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
   )(table_BM, pos_B, q_BKGH, k_LPSKH, v_LPSKH)
-  return out_BKGH[:, :, :G].reshape(B, N, H)
+  return out_BKGH.reshape(B, N, H)
 
 
 # Errors in the trial that mean our own code is wrong (a bad call, a missing name): raised, never read as
