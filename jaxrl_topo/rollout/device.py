@@ -290,7 +290,7 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
   def step(carry):
     i, state, tokens_KB, logprobs_KB, emitted_KB = carry
     live = state.active_B
-    pos_B = jnp.where(live, state.pos_B, -1)  # idle rows: no K/V write, no page read
+    pos_B = _live_pos(state)  # idle rows: no K/V write, no page read
     h_B1D, cache = model.hidden(state.last_B[:, None], pos_B[:, None], None, state.cache)
     keys = sequence_keys(key, state.seq_B, state.pos_B + 1)
     tok_B, lp_B = sample_tokens(model.logits(h_B1D)[:, 0], keys, sampling)
@@ -320,14 +320,19 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
   S, M = state.cache.page_size, state.cache.table_BM.shape[1]
   widths = read_widths(min(window_pages, M))
   narrower = widths[-2] if len(widths) > 1 else 0
-  read = lambda c: pages_read(jnp.where(c[1].active_B, c[1].pos_B, -1), S, M)  # noqa: E731
+  read = lambda c: pages_read(_live_pos(c[1]), S, M)  # noqa: E731
   carry = jax.lax.while_loop(lambda c: more(c) & (read(c) <= narrower), step, init)
   i, state, tokens_KB, logprobs_KB, emitted_KB = carry
   carry = (i, state.replace(cache=state.cache.replace(window_full=True)), tokens_KB, logprobs_KB, emitted_KB)
-  fits = lambda c: jnp.max(jnp.where(c[1].active_B, c[1].pos_B, -1)) < window_pages * S  # noqa: E731
+  fits = lambda c: jnp.max(_live_pos(c[1])) < window_pages * S  # noqa: E731
   carry = jax.lax.while_loop(lambda c: more(c) & (read(c) > narrower) & fits(c), step, carry)
   _, state, tokens_KB, logprobs_KB, emitted_KB = carry
   return state.replace(cache=state.cache.close_window()), tokens_KB, logprobs_KB, emitted_KB
+
+
+def _live_pos(state: DecodeState):
+  """Each row's position, -1 for an idle row."""
+  return jnp.where(state.active_B, state.pos_B, -1)
 
 
 def key_on_mesh(key: jax.Array, mesh) -> jax.Array:
