@@ -2,6 +2,7 @@
 (bucketed) read, and the engine through it against the dense decoder (issue 12, item 6).
 
   python benchmarks/pallas_check.py            # on a GPU; on CPU the kernel runs in interpret mode (slow, small)
+  python benchmarks/pallas_check.py --checks=kernel,engine      # some checks only (kernel, engine, parts, read)
 
 JSON lines out, one per check:
   kernel   max |kernel - float64 reference| over ragged rows and an idle one, per (N, K, H, S, dtype);
