@@ -5,13 +5,15 @@ equal the unmigrated run's bit for bit, and the full KV pool is freed at the mov
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import _prompts, _tiny_params
+from test_engine import TINY, _prompts, _tiny_params
 from test_engine_sharded import _mesh, _sharded_engine
 
 from jaxrl_topo.mux import migrate
 from jaxrl_topo.rollout.engine import Request
+from jaxrl_topo.rollout.paged import _decode_bucketed
 
 N_SLOTS, N_TAIL = 8, 4
 
@@ -115,13 +117,31 @@ def _merged(tiny, impl: str, move: bool):
 def test_stragglers_of_several_shards_merge_onto_one_tail_shard_bit_for_bit_with_a_row_exact_read(tiny, impl):
   """A row-exact paged read (its numbers for a row never depend on the rows beside it): stragglers of both data
   shards share the tail's one shard and still decode bit for bit as unmoved. With `bucketed` the same merge
-  changes log-probs (the read's width is the longest co-resident row's): that is why it is not used there."""
+  can change log-probs (the read's width is the longest co-resident row's): that is why it is not used there."""
   got, seen = _merged(tiny, impl, move=True)
   assert seen["moved"] and seen["shards"] == [0, 1] and seen["plain_refused"], seen
   assert impl in migrate.ROW_EXACT and _same(got, _merged(tiny, impl, move=False)[0])
 
 
+def _bucketed_read_depends_on_width() -> bool:
+  """Whether, on this CPU, the bucketed read gives a row other bits when a longer row beside it widens the read
+  (masked keys add exact zeros, so whether the sums change is up to how XLA vectorises them: the merge below
+  changed log-probs in every CI run up to 2026-11-28, and this read gave equal bits on an AVX2-only AMD EPYC,
+  where the merge then changed nothing). One data x tensor shard's shapes, as in
+  `_merged`: the tiny model's 2 KV heads split over tensor=2 leave each device 1 KV head, read unfolded."""
+  N, K, H, S, M = TINY.n_heads // 2, 1, TINY.head_dim, 4, 16
+  rng = np.random.RandomState(0)
+  k, v = (jnp.asarray(rng.randn(1, 2 * M, S, K, H), jnp.float32) for _ in range(2))
+  q, table = jnp.asarray(rng.randn(2, N, H), jnp.float32), jnp.arange(2 * M, dtype=jnp.int32).reshape(2, M)
+  read = jax.jit(lambda pos: _decode_bucketed(q, k, v, 0, table, pos, S, fold_heads=False)[0])
+  alone, beside = read(jnp.asarray([21, -1], jnp.int32)), read(jnp.asarray([21, 50], jnp.int32))  # width 8 / 16
+  return not np.array_equal(np.asarray(alone), np.asarray(beside))
+
+
 def test_a_merge_under_the_bucketed_read_changes_log_probs(tiny):
+  if not _bucketed_read_depends_on_width():
+    pytest.skip("on this CPU the bucketed read gives a row the same bits at every width, so a merge cannot "
+                "change its log-probs")
   got, seen = _merged(tiny, "bucketed", move=True)
   assert seen["moved"] and seen["shards"] == [0, 1] and "bucketed" not in migrate.ROW_EXACT
   assert not _same(got, _merged(tiny, "bucketed", move=False)[0])
