@@ -44,7 +44,7 @@ from jaxrl_topo.models.presets import get_preset  # noqa: E402
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense  # noqa: E402
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine  # noqa: E402
 from jaxrl_topo.rollout.paged import _decode_bucketed  # noqa: E402
-from jaxrl_topo.rollout.pallas_paged import TRIP_ELEMENTS, decode_attention  # noqa: E402
+from jaxrl_topo.rollout.pallas_paged import decode_attention, default_pages_per_trip  # noqa: E402
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys  # noqa: E402
 
 PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
@@ -126,7 +126,7 @@ def check_read(rng, batch, median_ctx):
   reads = {"bucketed": xla}
   for C in PAGES_PER_TRIP_SWEEP:
     reads[f"pallas:{C}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, pages_per_trip=C))
-  C = max(1, min(8, TRIP_ELEMENTS // (S * H)))
+  C = default_pages_per_trip(S, H)
   for w in NUM_WARPS_SWEEP:
     reads[f"pallas:{C}:w{w}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, num_warps=w))
   want = xla(q, k, v, table, pos).astype(jnp.float32)

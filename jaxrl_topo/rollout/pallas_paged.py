@@ -55,6 +55,11 @@ def supported(cfg, page_size: int, backend: str | None = None) -> bool:
   return pow2(page_size) and pow2(cfg.head_dim)
 
 
+def default_pages_per_trip(page_size: int, head_dim: int) -> int:
+  """Pages one loop trip reads when the caller names none: TRIP_ELEMENTS keys x head dim, 1 to 8 pages."""
+  return max(1, min(8, TRIP_ELEMENTS // (page_size * head_dim)))
+
+
 def padded_group(G: int) -> int:
   """Query rows per program: G padded to a power of two >= 16 (the smallest `tl.dot` operand)."""
   return max(16, 1 << (G - 1).bit_length())
@@ -114,7 +119,7 @@ def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, pa
   both."""
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
-  pages_per_trip = pages_per_trip or max(1, min(8, TRIP_ELEMENTS // (page_size * H)))
+  pages_per_trip = pages_per_trip or default_pages_per_trip(page_size, H)
   num_warps = num_warps or NUM_WARPS
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   q_BKGH = q_BNH.reshape(B, K, N // K, H)  # query head n = k * G + g (GQA's grouping)
