@@ -47,7 +47,7 @@ test: lint
 test-fast: lint
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not readme"
 
-# Every command README.md shows, run as written on this CPU (tests/test_readme.py; about 4 minutes).
+# Every command README.md shows, run as written on this CPU (tests/test_readme.py; about 9 minutes).
 test-readme: $(VENV)/.test
 	$(TEST_ENV) $(BIN)/python -m pytest -m readme tests/test_readme.py
 
