@@ -73,10 +73,12 @@ def test_greedy_engine_matches_dense_decoder(family, tmp_path):
 
 @pytest.mark.parametrize("impl", ["bucketed", "fast", "reference", "window"])
 def test_sampled_engine_matches_dense_decoder(tiny, impl):
-  """Rows of 2-20 prompt tokens and 12 new ones in 4-token pages: "window" grows through widths 1 to 8 pages."""
+  """Rows of 2-20 prompt tokens and 12 new ones in 4-token pages: "window" grows through widths 1 to 8 pages (no
+  floor: min_window_tokens=0; the default's 64 tokens would open every window at all 16 pages)."""
   graphdef, params = tiny
   prompts = _prompts(6, seed=2)
-  got = _engine(graphdef, params, impl=impl).run([Request(p, max_new_tokens=12) for p in prompts])
+  floor = {"min_window_tokens": 0} if impl == "window" else {}
+  got = _engine(graphdef, params, impl=impl, **floor).run([Request(p, max_new_tokens=12) for p in prompts])
   want = generate_ids(graphdef, params, prompts, DecodeConfig(max_new_tokens=12, sampling=SAMPLED, eos_ids=EOS),
                       impl="dense")
   assert [g.tokens for g in got] == [w.completion_ids for w in want]
@@ -273,9 +275,11 @@ def test_stop_strings_cut_at_the_token_that_completes_them(tiny):
 # ---------------------------------------------------------------- sharded rollout mesh
 
 
-@pytest.mark.parametrize("axes, impl", [({"data": 4, "tensor": 2}, "auto"), ({"data": 2, "tensor": 2}, "auto"),
-                                        ({"data": 2, "tensor": 2}, "window")])
-def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl):
+# the "window" case: no floor, so its windows grow from 1 page
+@pytest.mark.parametrize("axes, impl, min_tokens", [({"data": 4, "tensor": 2}, "auto", 64),
+                                                    ({"data": 2, "tensor": 2}, "auto", 64),
+                                                    ({"data": 2, "tensor": 2}, "window", 0)])
+def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl, min_tokens):
   from jaxrl_topo.models.model import abstract_model, param_shardings
   from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -286,7 +290,7 @@ def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl):
   want = _engine(graphdef, params).run(requests)
   eng = RolloutEngine(graphdef, TINY, sharded, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=64,
                                                             decode_chunk=5, sampling=SAMPLED, eos_ids=EOS,
-                                                            impl=impl), mesh=mesh)
+                                                            impl=impl, min_window_tokens=min_tokens), mesh=mesh)
   got = eng.run(requests)
   sizes = (engine_lib.generate._cache_size(), engine_lib.prefill._cache_size())
   # The same batch again compiles nothing; "window" compiles one chunk program per (rows, window width) pair it

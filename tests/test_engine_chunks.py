@@ -186,7 +186,8 @@ def test_a_window_after_an_unread_chunk_is_no_wider_than_that_chunk_lets_rows_re
   is read: the host's count (6) lags it by up to 64 steps, but that chunk stops every row at its edge (8), so 4
   pages hold the next write. Sized from the 64 steps alone it was 16, every step of the chunk reading 4x the
   columns. Then 8 and 16, each chunk ending at its window's edge, and no fifth chunk: the fourth ends the row
-  (position 45). Tokens and log-probs equal the bucketed read's."""
+  (position 45). Tokens and log-probs equal the bucketed read's. With the default floor (min_window_tokens 64: all
+  16 pages of these rows) every chunk opens the one 16-page window, and the tokens are the same again."""
   graphdef, params = tiny
   one = [Request([5, 17, 42, 8, 23, 61], max_new_tokens=40)]
   windows = []
@@ -198,11 +199,26 @@ def test_a_window_after_an_unread_chunk_is_no_wider_than_that_chunk_lets_rows_re
 
   want = _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run(one)
   monkeypatch.setattr(engine_lib, "generate", spy)
-  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=64, eos_ids=(), impl="window")
+  eng = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=64, eos_ids=(), impl="window",
+                min_window_tokens=0)
   got = eng.run(one)
   assert [s.tokens for s in got] == [s.tokens for s in want] and len(got[0].tokens) == 40
   np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=1e-5)
   assert windows == [2, 4, 8, 16] and eng.stats["chunks"] == 4, (windows, dict(eng.stats))
+  windows.clear()
+  got = _engine(graphdef, params, n_slots=2, tail_chunk=8, max_chunk=64, eos_ids=(), impl="window").run(one)
+  assert [s.tokens for s in got] == [s.tokens for s in want] and windows and set(windows) == {16}, windows
+  np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=1e-5)
+
+
+def test_the_narrowest_window_is_a_power_of_two_of_pages_holding_min_window_tokens():
+  pages = lambda **kw: EngineConfig(**kw).window_min_pages  # noqa: E731
+  assert pages(page_size=16, max_len=512) == 4  # the default 64 tokens
+  assert pages(page_size=12, max_len=512) == 8  # 6 pages rounded up: one of bucketed's widths
+  assert pages(page_size=4, max_len=64) == 16 and pages(page_size=16, max_len=32) == 2  # capped at a row's pages
+  assert pages(page_size=4, max_len=64, min_window_tokens=0) == 1 and pages(page_size=128, max_len=512) == 1
+  with pytest.raises(ValueError, match="min_window_tokens"):
+    EngineConfig(min_window_tokens=-1)
 
 
 def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch):
@@ -223,7 +239,7 @@ def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch
 
   monkeypatch.setattr(engine_lib, "generate", spy)
   cfg = EngineConfig(n_slots=2, page_size=4, n_pages=64, max_len=64, decode_chunk=4, tail_chunk=8, max_chunk=32,
-                     sampling=SAMPLED, eos_ids=(), impl="window")
+                     sampling=SAMPLED, eos_ids=(), impl="window", min_window_tokens=0)
   eng = RolloutEngine(graphdef, TINY, params, cfg, detokenize=_detok)
   with eng.stream(on_group=lambda tag, r, s: st.add([z], "z") if tag == "x" else None) as st:
     st.add([Request(x_prompt, max_new_tokens=55, stop_strings=(text[k:k + 4],))], "x")

@@ -172,16 +172,18 @@ def test_a_window_chunk_reads_its_full_width_with_no_conditional(tiny):
   """impl "window": the chunk's steps whose bucketed width is narrower than the window read through a switch (one
   conditional a layer); the steps at the window's own width run in a second loop with none (XLA:CPU runs a
   conditional as a called computation, ~8 us a layer: most of a batch-1 step). The bucketed read (the control)
-  has one loop, its conditionals in it. Equal bits either way: test_engine_chunks' window tests."""
+  has one loop, its conditionals in it. A window at the narrowest width allowed (EngineConfig.min_window_tokens: 64
+  tokens, all 16 of a row's 4-token pages here) has no narrower steps, so its program holds the second loop only.
+  Equal bits either way: test_engine_chunks' window tests."""
   graphdef, params = tiny
   loops = {}
-  for impl in ("window", "bucketed"):
-    eng = _sharded_engine(graphdef, params, None, impl=impl)
-    loops[impl] = _decode_loops(jax.make_jaxpr(functools.partial(
+  for name, impl, window, min_tokens in (("window", "window", 4, 0), ("bucketed", "bucketed", 0, 0),
+                                         ("window at its floor", "window", 16, 64)):
+    eng = _sharded_engine(graphdef, params, None, impl=impl, min_window_tokens=min_tokens)
+    loops[name] = _decode_loops(jax.make_jaxpr(functools.partial(
         device.generate, eng._static, sampling=eng.sampling, capacity=5, eos_ids=EOS, pad_id=0, layout=eng.layout,
-        window_pages=4 if impl == "window" else 0))(eng.params, eng.state, eng.key, np.zeros(1, np.int32),
-                                                    np.int32(5)).jaxpr)
-  assert loops == {"window": [TINY.n_layers, 0], "bucketed": [TINY.n_layers]}, loops
+        window_pages=window))(eng.params, eng.state, eng.key, np.zeros(1, np.int32), np.int32(5)).jaxpr)
+  assert loops == {"window": [TINY.n_layers, 0], "bucketed": [TINY.n_layers], "window at its floor": [0]}, loops
 
 
 @pytest.mark.parametrize("data, tensor", [(1, 1), (2, 2)])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_topo.rollout.paged import PagedKVCache, pages_read, read_widths
+from jaxrl_topo.rollout.paged import PagedKVCache, pages_read, window_widths
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
 
 
@@ -316,12 +316,13 @@ def _decode_rows(graphdef, params, state: DecodeState, *, key, live_floor_D, n_s
   # impl "window": the steps whose bucketed width is narrower than the window read through a switch over the
   # narrower widths; then, while it is the window's own, the steps read the whole window with no switch (a
   # conditional is a called computation on XLA:CPU, ~8 us a layer). The chunk ends when no longer so (a live
-  # row would write past the window, or the longest one ended and the width fell).
+  # row would write past the window, or the longest one ended and the width fell). A window at the narrowest
+  # width it may read (EngineConfig.min_window_tokens) has no narrower steps: its program holds the second loop only.
   S, M = state.cache.page_size, state.cache.table_BM.shape[1]
-  widths = read_widths(min(window_pages, M))
+  widths = window_widths(min(window_pages, M), state.cache.window_min_pages)
   narrower = widths[-2] if len(widths) > 1 else 0
   read = lambda c: pages_read(_live_pos(c[1]), S, M)  # noqa: E731
-  carry = jax.lax.while_loop(lambda c: more(c) & (read(c) <= narrower), step, init)
+  carry = jax.lax.while_loop(lambda c: more(c) & (read(c) <= narrower), step, init) if narrower else init
   i, state, tokens_KB, logprobs_KB, emitted_KB = carry
   carry = (i, state.replace(cache=state.cache.replace(window_full=True)), tokens_KB, logprobs_KB, emitted_KB)
   fits = lambda c: jnp.max(_live_pos(c[1])) < window_pages * S  # noqa: E731

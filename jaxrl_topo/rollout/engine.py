@@ -105,7 +105,7 @@ class RolloutEngine:
     def zeros():
       cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
                                  dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None,
-                                 fold_heads=self._fold_heads)
+                                 fold_heads=self._fold_heads, window_min_pages=e.window_min_pages)
       z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
       state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
                           stop_BX=jnp.full((B, MAX_STOP_IDS), -1, jnp.int32))
@@ -275,7 +275,7 @@ class RolloutEngine:
     if self.impl != "window":
       return 0
     return window_pages(self.host, self.pool.lengths(), self._epoch_B, after, self.ecfg.page_size,
-                        self.ecfg.max_pages_per_seq)
+                        self.ecfg.max_pages_per_seq, self.ecfg.window_min_pages)
 
   def _read(self, d: _Dispatched):
     """One blocking read of a dispatch's results; updates the host mirror and the pool for slots

@@ -17,6 +17,9 @@ class EngineConfig:
   min_bucket: int = 16  # prompts are padded to a power of two >= this
   # paged decode read (paged.py); auto = window on CPU, the Pallas kernel on GPU where it works, else bucketed
   impl: str = "auto"
+  # impl "window": no window (or read) narrower than this many tokens, so a config compiles fewer window programs
+  # (one per width: at 4-token pages and 64-token rows, one instead of five); 0 = bucketed's widths from 1 page
+  min_window_tokens: int = 64
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()
   pad_id: int = 0
@@ -32,12 +35,20 @@ class EngineConfig:
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+    if self.min_window_tokens < 0:
+      raise ValueError(f"EngineConfig.min_window_tokens={self.min_window_tokens} must be >= 0")
     if self.tail_chunk < 0 or self.max_chunk < 0:
       raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
 
   @property
   def max_pages_per_seq(self) -> int:
     return -(-self.max_len // self.page_size)
+
+  @property
+  def window_min_pages(self) -> int:
+    """impl "window": the narrowest window and read, min_window_tokens' pages rounded up to a power of two (one of
+    bucketed's widths), at most max_pages_per_seq."""
+    return min(self.max_pages_per_seq, 1 << max(0, -(-self.min_window_tokens // self.page_size) - 1).bit_length())
 
   @property
   def tail_steps(self) -> int:

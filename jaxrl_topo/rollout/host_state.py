@@ -73,8 +73,9 @@ def _pow2(n: int) -> int:
 
 
 def window_pages(host: _SlotMirror, lengths_B: np.ndarray, epoch_B: np.ndarray, after: _Dispatched | None,
-                 page_size: int, max_pages: int) -> int:
-  """impl "window": pages, a power of two (at most max_pages), holding the next position any row can write.
+                 page_size: int, max_pages: int, min_pages: int = 1) -> int:
+  """impl "window": pages, a power of two (at most max_pages, at least min_pages: PagedKVCache.window_min_pages),
+  holding the next position any row can write.
   A bound from the host's counts (`lengths_B`: every slot's tokens so far): a row live in the unread chunk
   `after` may be up to its steps further on, but no further than that chunk's own window (its guard stops rows
   at the edge). The chunk ends when a live row outgrows the window (device.generate), and the next one opens
@@ -87,7 +88,7 @@ def window_pages(host: _SlotMirror, lengths_B: np.ndarray, epoch_B: np.ndarray, 
     ahead, edge = after.steps, after.window * S or np.iinfo(np.int32).max
     ran = (epoch_B == after.epoch_B) & after.live_B
   after_B = np.where(ran, np.maximum(lengths_B, np.minimum(lengths_B + ahead, edge)), lengths_B)
-  return min(M, _pow2(int(after_B.max()) // S + 1))
+  return min(M, max(min_pages, _pow2(int(after_B.max()) // S + 1)))
 
 
 def count_chunk(stats, emitted_KB: np.ndarray, d: _Dispatched, n_slots: int) -> None:

@@ -99,10 +99,14 @@ class PagedKVCache:
   # window: every step reads the whole open window (device.generate runs such steps only while the bucketed width
   # is the window's), so no step needs the switch over narrower widths
   window_full: bool = struct.field(pytree_node=False, default=False)
+  # window: no read narrower than this many pages (a power of two, or M): windows of fewer never open, so a
+  # config compiles fewer window programs (EngineConfig.min_window_tokens); 1 = bucketed's widths
+  window_min_pages: int = struct.field(pytree_node=False, default=1)
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
-            dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = False) -> PagedKVCache:
+            dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = False,
+            window_min_pages: int = 1) -> PagedKVCache:
     """An all-zero pool and an all -1 table (the host allocator fills `table_BM`)."""
     if impl not in IMPLS:
       raise ValueError(f"PagedKVCache impl={impl!r}; expected one of {IMPLS}")
@@ -113,7 +117,7 @@ class PagedKVCache:
     dtype = dtype or jnp.dtype(cfg.dtype)
     return cls(k_LPSKH=jnp.zeros(shape, dtype), v_LPSKH=jnp.zeros(shape, dtype),
                table_BM=jnp.full((batch, max_pages_per_seq), -1, jnp.int32), page_size=page_size, impl=impl,
-               block_tokens=block_tokens, fold_heads=fold_heads)
+               block_tokens=block_tokens, fold_heads=fold_heads, window_min_pages=window_min_pages)
 
   @property
   def n_pages(self) -> int:
@@ -204,7 +208,7 @@ def _attend_window(new: PagedKVCache, layer: int, q_BTNH, k_BTKH, v_BTKH, pos_B)
 
   if new.window_full:  # the step's bucketed width is the window's (device.generate): no switch
     return read(W // S, q_BTNH[:, 0])[:, None], new
-  widths = read_widths(min(W // S, M))
+  widths = window_widths(min(W // S, M), new.window_min_pages)
   out_BNH = jax.lax.switch(jnp.searchsorted(jnp.asarray(widths), pages_read(pos_B, S, M)),
                            [functools.partial(read, n) for n in widths], q_BTNH[:, 0])
   return out_BNH[:, None], new
@@ -219,6 +223,13 @@ def pages_read(pos_B, S: int, M: int):
 def read_widths(M: int) -> list[int]:
   """The page counts a bucketed read may take for rows of at most M pages: powers of two below M, and M."""
   return sorted({min(M, 1 << i) for i in range(max(1, M).bit_length() + 1)})
+
+
+def window_widths(n_pages: int, min_pages: int) -> list[int]:
+  """The widths an open window of n_pages pages reads at: `read_widths`' up to n_pages, none narrower than
+  min_pages (a power of two or M; capped at n_pages). So a row reads max(bucketed's width, min_pages) pages in any
+  window that holds them: its bits stay a function of the positions decoded, whatever the window."""
+  return [w for w in read_widths(n_pages) if w >= min(min_pages, n_pages)]
 
 
 def _attend_by_head(q_BNH, k, v, mask_BW, keys: str = "BWKH", zero_hidden: bool = True):
