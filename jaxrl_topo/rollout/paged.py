@@ -27,10 +27,11 @@ Five read paths, chosen by the static `impl`:
   window     (the engine's default on CPU) for a decode chunk (device.generate): each row's first n pages of
              every layer are gathered once, when the chunk starts, into contiguous per-layer arrays, keys
              [B, K, H, n*S] and values [B, K, n*S, H] (`open_window`; n: a power of two or M, the fewest pages
-             holding a bound on the next position any slot's row can write (host_state.window_pages); the
+             holding a bound on the next position any slot's row can write (host_state.window_pages), and never
+             fewer than `window_min_pages` (EngineConfig.min_window_tokens, 64 tokens by default); the
              chunk ends before a row outgrows them, and the next opens twice as wide). Each step appends its
              token's K/V there (and to the pool) and reads, in place, the window's first pages, as many as
-             `bucketed` would read at that step (a `lax.switch` over the widths
+             `bucketed` would read at that step, or the floor if wider (a `lax.switch` over the widths
              below n; the steps at width n itself run in a second loop with no switch, `window_full`: an
              XLA:CPU conditional costs ~8 us a layer, most of a batch-1 step), the kv head leading both dots,
              so no step gathers (keys [B, K, H, W], not [B, K, W, H]: XLA:CPU ran the q.k dot over the minor
@@ -39,7 +40,8 @@ Five read paths, chosen by the static `impl`:
              width follows where chunks end, and XLA:CPU rounds a softmax or a dot over more columns, masked
              zeros included, differently (tests/test_paged.py). On a 2-core CPU this removed most of the
              read's cost at small batch and short contexts (benchmarks/RESULTS.md). Its prices: one decode
-             program per (rows, n) pair met (holding the step twice, one per loop), and the chunk's rows held a
+             program per (rows, n) pair met (holding the step twice, one per loop; once at the floor, which has no
+             narrower width: the floor is there to cut those programs), and the chunk's rows held a
              second time, in the compute dtype.
              Outside an open window it reads as reference.
   Prefill (T > 1) always takes the reference path.
