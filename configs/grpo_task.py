@@ -6,8 +6,10 @@
 
 Presets: `tiny` is `make demo`: the `tiny` char-level model (2 layers, d=64) reverses 4-letter
 strings over "abcdef" ("reverse abcd=" -> "dcba"); a supervised warm-up to 30% accuracy, then 300 GRPO
-steps of 16 prompts x 16 samples, on 2 CPU cores in about two minutes. `small` is the same task
-on a bigger model and batch.
+steps of 16 prompts x 16 samples, on 2 CPU cores in about two minutes. Its learning rate decays (cosine) to 0
+over the 300 steps: at a constant 1e-3 the reward reached 0.98 by step 180 and then fell back to 0.55-0.87, ending
+at held-out accuracy 0.82 on one machine (0.996 on another); decayed, 1.0 for seeds 0, 1 and 2 (2026-11-28).
+`small` is the same task on a bigger model and batch.
 """
 
 import ml_collections
@@ -32,6 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.group_size = 16
     c.rollout.n_slots = 256
     c.optim.lr = 1e-3
+    c.optim.schedule, c.optim.total_steps = "cosine", c.run.get_ref("steps")  # follows run.steps (docstring: why)
     c.run.sft_steps = 1000  # at most; it stops at 30% greedy accuracy on training prompts: GRPO needs some
     c.run.sft_target_accuracy = 0.3  # right answers to learn from, and a fixed step count lands anywhere
     c.run.sft_batch = 64
