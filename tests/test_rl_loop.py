@@ -330,4 +330,17 @@ def test_only_a_plain_colocated_loop_lets_the_engine_grow_decode_chunks():
   assert needs_chunk_boundaries("disaggregated", LoopHooks()) and needs_chunk_boundaries("async", LoopHooks())
   with pytest.raises(ValueError, match="rollout.max_chunk=-1 must be >= 0"):
     _cfg("colocated", 1, **{"rollout.max_chunk": -1})
+  with pytest.raises(ValueError, match="rollout.min_window_tokens=-1 must be >= 0"):
+    _cfg("colocated", 1, **{"rollout.min_window_tokens": -1})
+
+
+def test_the_rollout_config_reaches_the_engine():
+  """rollout.* keys the engine reads arrive in its EngineConfig (experiment.engine_config), rows in whole pages."""
+  from jaxrl_topo.runtime.experiment import engine_config
+
+  rc = _cfg("colocated", 1, **{"rollout.min_window_tokens": 16, "rollout.max_chunk": 64, "rollout.impl": "bucketed",
+                               "rollout.page_size": 4, "data.max_prompt_len": 10, "rollout.max_new_tokens": 5})
+  e = engine_config(rc, (2,), 0)
+  assert (e.min_window_tokens, e.max_chunk, e.impl, e.page_size) == (16, 64, "bucketed", 4)
+  assert e.max_len == 16 and e.n_pages == 16 * 4 and e.window_min_pages == 4 and e.eos_ids == (2,)
   assert _cfg("colocated", 1, **{"rollout.max_chunk": 64}).rollout.max_chunk == 64

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_topo.rollout.host_state import _pow2
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 
@@ -48,7 +49,7 @@ class EngineConfig:
   def window_min_pages(self) -> int:
     """impl "window": the narrowest window and read, min_window_tokens' pages rounded up to a power of two (one of
     bucketed's widths), at most max_pages_per_seq."""
-    return min(self.max_pages_per_seq, 1 << max(0, -(-self.min_window_tokens // self.page_size) - 1).bit_length())
+    return min(self.max_pages_per_seq, _pow2(-(-self.min_window_tokens // self.page_size)))
 
   @property
   def tail_steps(self) -> int:

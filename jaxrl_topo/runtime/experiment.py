@@ -172,6 +172,18 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
   return params
 
 
+def engine_config(cfg: RunConfig, eos_ids: tuple[int, ...], pad_id: int) -> EngineConfig:
+  """The rollout engine's config for a run: rows of prompt + completion, in whole pages; rollout.n_pages = 0 gives
+  every slot a full row's pages."""
+  rollout = cfg.rollout
+  max_len = -(-(cfg.data.max_prompt_len + rollout.max_new_tokens) // rollout.page_size) * rollout.page_size
+  n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
+  return EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
+                      decode_chunk=rollout.decode_chunk, sampling=rollout.sampling, kv_dtype=rollout.kv_dtype,
+                      impl=rollout.impl, max_chunk=rollout.max_chunk, min_window_tokens=rollout.min_window_tokens,
+                      eos_ids=eos_ids, pad_id=pad_id)
+
+
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   """`warmup=False` skips the supervised warm-up (a resumed run restores its trained state)."""
   if cfg.reward.fn == MODEL_REWARD and cfg.run.sft_steps and cfg.run.sft_target_accuracy > 0:
@@ -192,15 +204,9 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
 
   resp_len = cfg.rollout.max_new_tokens
   row_len = cfg.data.max_prompt_len + resp_len
-  rollout = cfg.rollout
-  max_len = -(-row_len // rollout.page_size) * rollout.page_size
-  n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
-  ecfg = EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
-                      decode_chunk=rollout.decode_chunk, sampling=rollout.sampling, kv_dtype=rollout.kv_dtype,
-                      impl=rollout.impl, max_chunk=rollout.max_chunk,
-                      eos_ids=tuple(tokenizer.eos_token_ids), pad_id=tokenizer.pad_token_id or 0)
-  if cfg.rl.group_size > rollout.n_slots:
-    raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={rollout.n_slots}: a group is "
+  ecfg = engine_config(cfg, tuple(tokenizer.eos_token_ids), tokenizer.pad_token_id or 0)
+  if cfg.rl.group_size > cfg.rollout.n_slots:
+    raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={cfg.rollout.n_slots}: a group is "
                      "generated at once")
   # Every process reads the whole global batch: each one drives the same global program and must
   # take the same decisions (prompts are a few KB of token ids).
