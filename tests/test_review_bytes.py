@@ -19,6 +19,7 @@ from jaxrl_topo.models.config import num_params, to_hf_dict
 from jaxrl_topo.models.model import abstract_model, param_shardings
 from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.review import bytes as rb
+from jaxrl_topo.review import step_bytes as sb_lib
 from jaxrl_topo.runtime.config import from_config_dict
 from jaxrl_topo.topology.carve import TopologyConfig, carve
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, TRAIN_RULES
@@ -169,7 +170,7 @@ def _config(name: str, arg: str = "tiny") -> dict:
 
 def test_step_bytes_from_shipped_configs():
   # grpo_task:tiny is colocated on one device in fp32: the sync is zero-copy.
-  sb = rb.step_bytes(from_config_dict(_config("grpo_task")))
+  sb = sb_lib.step_bytes(from_config_dict(_config("grpo_task")))
   assert sb.sync_full == 0 and sb.sync_aliased_params == 82_304 and sb.sync_lora is None
   assert sb.payload == rb.rollout_payload_bytes(16, 16, 16, 6)  # batch 16 x group 16, prompts <= 16, 6 new tokens
   assert sb.critic_collectives["total"] == 0 and sb.reference_collectives == 0
@@ -178,14 +179,14 @@ def test_step_bytes_from_shipped_configs():
   c["model"]["dtype"] = "bfloat16"
   c["rl"]["kl_coef"] = 0.05
   c["lora"]["rank"] = 4
-  sb = rb.step_bytes(from_config_dict(c), changed_frac=0.5, steps_per_hour=3600)
+  sb = sb_lib.step_bytes(from_config_dict(c), changed_frac=0.5, steps_per_hour=3600)
   assert (sb.sync_full, sb.sync_full_per_rollout_device, sb.sync_delta) == (164_608, 82_688, 82_304)
   assert sb.sync_lora == 4 * 8_192 and sb.trainer_param_bytes_per_device == 4 * (82_240 // 4 + 64)
   assert sb.reference_collectives == 246_720 and sb.policy_collectives["reduce_scatter"] == 0
   d = json.loads(json.dumps(sb.to_dict()))
   assert d["per_hour"]["sync"] == 3600 * 164_608
   assert d["totals"]["collectives_per_rank"] == sb.policy_collectives["total"] + 246_720
-  ppo = rb.step_bytes(from_config_dict(_config("ppo_critic")))
+  ppo = sb_lib.step_bytes(from_config_dict(_config("ppo_critic")))
   assert set(ppo.critic_collectives) == {"backbone", "old_values_forward", "value_head", "total"}
 
 
@@ -194,7 +195,7 @@ def test_step_bytes_reads_an_hf_dir(tmp_path):
     json.dump(to_hf_dict(TINY), f)
   c = _config("grpo_task")
   c["model"]["hf_dir"] = str(tmp_path)
-  sb = rb.step_bytes(from_config_dict(c))
+  sb = sb_lib.step_bytes(from_config_dict(c))
   assert sb.model == str(tmp_path) and sb.n_params == 82_304 and sb.sync_dtype == "float32"
 
 
@@ -212,5 +213,5 @@ def test_bad_input_is_named():
   with pytest.raises(ValueError, match="scheme"):
     rb.gradient_collective_bytes(TINY, {"fsdp": 4}, scheme="zero3")
   with pytest.raises(ValueError, match="steps_per_hour"):
-    rb.per_hour(1.0, 0)
-  assert np.isfinite(rb.per_hour(1.0, 2.5))
+    sb_lib.per_hour(1.0, 0)
+  assert np.isfinite(sb_lib.per_hour(1.0, 2.5))

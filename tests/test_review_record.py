@@ -7,8 +7,8 @@ import json
 import pytest
 from test_rl_loop import _cfg
 
-from jaxrl_topo.review import bytes as bytes_lib
 from jaxrl_topo.review import simulator
+from jaxrl_topo.review import step_bytes as step_lib
 from jaxrl_topo.review.record import Assumptions, sim_params, write_record
 
 
@@ -20,7 +20,7 @@ def test_record_from_the_config_alone(tmp_path):
     assert (tmp_path / name).stat().st_size > 0
   with open(tmp_path / "record.json") as f:
     saved = json.load(f)
-  want = bytes_lib.step_bytes(cfg)
+  want = step_lib.step_bytes(cfg)
   assert saved["bytes"]["sync_full"] == want.sync_full and saved["bytes"]["payload"] == want.payload
   params = sim_params(cfg, a, want.sync_full)
   assert params.n_devices == 8 and params.rollout_devices == 4 and params.batch_seqs == 16

@@ -212,7 +212,7 @@ def planned_residency(job: str, cfg) -> Residency:
   train state (`train/state.py` init traced on the model's abstract parameters) and the rollout weights (the
   policy in the model dtype)."""
   from jaxrl_topo.models.model import abstract_model
-  from jaxrl_topo.review.bytes import model_config
+  from jaxrl_topo.review.step_bytes import model_config
   from jaxrl_topo.train import state as state_lib
   from jaxrl_topo.train.optim import make_optimizer
 

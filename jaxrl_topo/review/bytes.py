@@ -41,22 +41,17 @@ import functools
 import math
 import types
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_topo.models.config import ModelConfig
-from jaxrl_topo.models.hf_io import read_config
 from jaxrl_topo.models.model import abstract_model
-from jaxrl_topo.models.presets import get_preset
 from jaxrl_topo.topology.carve import TopologyConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, TRAIN_RULES, Rules, logical_to_spec
 from jaxrl_topo.train.config import CRITICS, LoraConfig
 from jaxrl_topo.train.lora import _n_in_dims  # one source of truth for how adapters split a kernel
-
-if TYPE_CHECKING:
-  from jaxrl_topo.runtime.config import RunConfig
 
 SYNC_MODES = ("full", "delta", "lora")
 SCHEMES = ("fsdp", "allreduce")
@@ -160,10 +155,10 @@ def sync_bytes(n_params: float, *, dtype: Any = "bfloat16", mode: str = "full", 
       raise ValueError("mode='lora' needs the adapter parameter count")
     return n_adapter_params * itemsize(dtype)
   full = n_params * itemsize(dtype)
-  return full if mode == "full" else _check_frac(changed_frac) * full
+  return full if mode == "full" else check_frac(changed_frac) * full
 
 
-def _check_frac(changed_frac: float | None) -> float:
+def check_frac(changed_frac: float | None) -> float:
   if changed_frac is None or not 0.0 <= changed_frac <= 1.0:
     raise ValueError(f"mode='delta' needs changed_frac in [0, 1], got {changed_frac!r}")
   return changed_frac
@@ -324,88 +319,3 @@ def critic_collective_bytes(model_cfg: ModelConfig, trainer_axes: Mapping[str, i
                                          n_micro=n_micro)["total"]
   items = {"backbone": backbone, "old_values_forward": forward, "value_head": head}
   return {**items, "total": sum(items.values())}
-
-
-# ---------------------------------------------------------------- one step of a run
-
-
-def per_hour(bytes_per_step: float, steps_per_hour: float) -> float:
-  if not steps_per_hour > 0:
-    raise ValueError(f"steps_per_hour={steps_per_hour!r} must be > 0")
-  return bytes_per_step * steps_per_hour
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepBytes:
-  """Every figure of one RL step, in bytes, itemised; `to_dict()` is the JSON record."""
-
-  model: str  # preset name or HF directory
-  n_params: int
-  mode: str  # colocated | disaggregated | async
-  trainer_axes: dict[str, int]
-  rollout_axes: dict[str, int]
-  sync_dtype: str  # the rollout copy's dtype (the model's compute dtype)
-  changed_frac: float
-  sync_full: int  # what the loop sends each step (TransferPlan, mode full; LoRA runs sync merged weights)
-  sync_full_per_rollout_device: int
-  sync_aliased_params: int  # colocated zero-copy leaves
-  sync_delta: int  # changed_frac x sync_full
-  sync_lora: int | None  # adapters in fp32, if LoRA is on
-  trainer_param_bytes_per_device: int  # the policy's own weights, param dtype, TRAIN_RULES
-  rollout_param_bytes_per_device: int  # sync dtype, ROLLOUT_RULES
-  payload: dict[str, int]
-  policy_collectives: dict[str, int]  # per trainer rank
-  reference_collectives: int
-  critic_collectives: dict[str, int]
-  steps_per_hour: float | None = None
-
-  def totals(self) -> dict[str, int]:
-    return {"sync": self.sync_full, "payload": self.payload["total"],
-            "collectives_per_rank": (self.policy_collectives["total"] + self.reference_collectives
-                                     + self.critic_collectives["total"])}
-
-  def to_dict(self) -> dict[str, Any]:
-    out = {**dataclasses.asdict(self), "totals": self.totals()}
-    if self.steps_per_hour is not None:
-      out["per_hour"] = {k: per_hour(v, self.steps_per_hour) for k, v in out["totals"].items()}
-    return out
-
-
-def model_config(run_cfg: RunConfig) -> tuple[ModelConfig, str]:
-  """(ModelConfig, name) the run would build: the HF dir's config.json, or the preset with its overrides."""
-  spec = run_cfg.model
-  if spec.hf_dir is not None:
-    return read_config(spec.hf_dir, dtype=spec.dtype), spec.hf_dir
-  try:
-    cfg = dataclasses.replace(get_preset(spec.preset), **spec.overrides)
-  except TypeError as e:
-    raise ValueError(f"model.overrides: {e}") from None
-  return dataclasses.replace(cfg, dtype=spec.dtype), spec.preset
-
-
-def step_bytes(run_cfg: RunConfig, *, changed_frac: float = 0.02, steps_per_hour: float | None = None) -> StepBytes:
-  """Predicts every byte count of one step of `run_cfg` (see the module docstring for the model)."""
-  model_cfg, name = model_config(run_cfg)
-  topo, lora, lc, n_micro = run_cfg.topology, run_cfg.lora, run_cfg.rl, run_cfg.run.n_micro
-  t_axes, r_axes = dict(topo.trainer_axes), dict(topo.rollout_axes)
-  plan = sync_plan_bytes(model_cfg, topo)
-  pdt = model_cfg.param_dtype
-  return StepBytes(
-      model=name, n_params=sum(leaf.size for leaf in param_leaves(model_cfg)), mode=topo.mode,
-      trainer_axes=t_axes, rollout_axes=r_axes, sync_dtype=model_cfg.dtype, changed_frac=changed_frac,
-      sync_full=plan["total"], sync_full_per_rollout_device=plan["per_rollout_device"],
-      sync_aliased_params=plan["aliased_params"],
-      sync_delta=round(_check_frac(changed_frac) * plan["total"]),
-      sync_lora=weight_sync_bytes(model_cfg, dtype="float32", mode="lora", lora_rank=lora.rank,
-                                  lora_targets=lora.targets) if lora.enabled else None,
-      trainer_param_bytes_per_device=per_device_shard_bytes(model_cfg, t_axes, TRAIN_RULES, pdt),
-      rollout_param_bytes_per_device=per_device_shard_bytes(model_cfg, r_axes, ROLLOUT_RULES, model_cfg.dtype),
-      payload=rollout_payload_bytes(run_cfg.data.batch_size, lc.group_size, run_cfg.data.max_prompt_len,
-                                    run_cfg.rollout.max_new_tokens),
-      policy_collectives=gradient_collective_bytes(model_cfg, t_axes, pdt, param_dtype=pdt, n_micro=n_micro,
-                                                   lora_rank=lora.rank or None, lora_targets=lora.targets),
-      reference_collectives=reference_collective_bytes(model_cfg, t_axes, kl_coef=lc.kl_coef, param_dtype=pdt,
-                                                       n_micro=n_micro),
-      critic_collectives=critic_collective_bytes(model_cfg, t_axes, lc.critic, param_dtype=pdt, grad_dtype=pdt,
-                                                 n_micro=n_micro),
-      steps_per_hour=steps_per_hour)

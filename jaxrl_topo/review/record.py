@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from jaxrl_topo.review import audit, calibrate, plots, simulator
-from jaxrl_topo.review import bytes as bytes_lib
+from jaxrl_topo.review import step_bytes as step_lib
 from jaxrl_topo.runtime.config import RunConfig
 
 
@@ -42,7 +42,7 @@ class Assumptions:
   device_memory_gb: float = 80.0  # one accelerator's memory (H100 80 GB), for the fit check
 
 
-def memory_fit(step: bytes_lib.StepBytes, mode: str, device_memory_gb: float) -> dict:
+def memory_fit(step: step_lib.StepBytes, mode: str, device_memory_gb: float) -> dict:
   """Per-device bytes of the state that lives for the whole run: the trainer's weights, gradients and two
   AdamW moments (LoRA: the moments and gradients of the adapters only) and, colocated, the rollout's copy
   on the same devices. Activations and the KV pool come on top, so `fits` False is certain, True is not."""
@@ -100,7 +100,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     from jaxrl_topo.runtime import run as run_lib
     spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
-  step = bytes_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
+  step = step_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
   sync_bytes = step.sync_full
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
