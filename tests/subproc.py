@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 
 
 def cpu_env(devices: int = 1, **extra: str) -> dict:
