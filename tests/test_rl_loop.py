@@ -332,6 +332,7 @@ def test_only_a_plain_colocated_loop_lets_the_engine_grow_decode_chunks():
     _cfg("colocated", 1, **{"rollout.max_chunk": -1})
   with pytest.raises(ValueError, match="rollout.min_window_tokens=-1 must be >= 0"):
     _cfg("colocated", 1, **{"rollout.min_window_tokens": -1})
+  assert _cfg("colocated", 1, **{"rollout.max_chunk": 64}).rollout.max_chunk == 64
 
 
 def test_the_rollout_config_reaches_the_engine():
@@ -343,4 +344,3 @@ def test_the_rollout_config_reaches_the_engine():
   e = engine_config(rc, (2,), 0)
   assert (e.min_window_tokens, e.max_chunk, e.impl, e.page_size) == (16, 64, "bucketed", 4)
   assert e.max_len == 16 and e.n_pages == 16 * 4 and e.window_min_pages == 4 and e.eos_ids == (2,)
-  assert _cfg("colocated", 1, **{"rollout.max_chunk": 64}).rollout.max_chunk == 64
