@@ -53,7 +53,9 @@ def test_fits_says_whether_ensure_capacity_would_find_pages():
   pool.admit("a", 5)
   pool.admit("b", 4)
   before = _snapshot(pool)
-  assert pool.fits({0: 3}) and pool.fits({0: 11, 1: 12}) and not pool.fits({0: 11, 1: 13})
+  assert pool.fits({0: 3}) and pool.fits({0: 11, 1: 12}) and not pool.fits({0: 11, 1: 13}) and pool.fits({})
+  # shortfall, slot by slot: 5 + 3 = 8 tokens fit slot 0's 2 pages, 5 + 4 need a third; 4 + 0 none, 4 + 13 four more
+  np.testing.assert_array_equal(pool.shortfall(np.array([0, 0, 1, 1]), np.array([3, 4, 0, 13])), [0, 1, 0, 4])
   _assert_same(before, _snapshot(pool))
   trial = copy.deepcopy(pool)
   trial.ensure_capacity(0, 11)

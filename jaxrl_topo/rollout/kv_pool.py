@@ -80,6 +80,7 @@ class PagePool:
     self._free = [list(range(d * P, (d + 1) * P)) for d in range(self.n_shards)]
     self._ref_P = np.zeros(self.n_pages, np.int32)
     self._table_BM = np.full((self.n_slots, self.max_pages_per_seq), -1, np.int32)
+    self._alloc_B = np.zeros(self.n_slots, np.int32)  # pages assigned to each slot (a prefix of its table row)
     self._len_B = np.zeros(self.n_slots, np.int32)
     self._order_B = np.full(self.n_slots, -1, np.int64)  # admission stamp; -1 = empty slot
     self._seq_B: list[Hashable | None] = [None] * self.n_slots
@@ -140,6 +141,7 @@ class PagePool:
       shard = self.shard_of_slot(slot)
     pages = self._alloc(self._pages_for(n_tokens), f"admit seq {seq_id!r} ({n_tokens} tokens)", shard)
     self._table_BM[slot, :len(pages)] = pages
+    self._alloc_B[slot] = len(pages)
     self._occupy(slot, seq_id, n_tokens)
     return slot
 
@@ -224,6 +226,7 @@ class PagePool:
     if partial:  # the child's private copy of the page its source is still writing into
       copy = (int(pages_M[n_full]), new[0])
       self._table_BM[slot, n_full] = new[0]
+    self._alloc_B[slot] = n_full + len(new)
     self._occupy(slot, seq_id, n)
     self._n_forks += 1
     return slot, copy
@@ -239,10 +242,15 @@ class PagePool:
   def fits(self, n_new_tokens: dict[int, int]) -> bool:
     """Whether `ensure_capacity(slot, n)` for every {slot: n} would find its pages free (nothing
     allocated here)."""
-    need = [0] * self.n_shards
-    for slot, n in n_new_tokens.items():
-      need[self.shard_of_slot(slot)] += max(0, self._pages_for(int(self._len_B[slot]) + n) - self._n_alloc(slot))
-    return all(k <= self.n_free_pages(d) for d, k in enumerate(need))
+    slots_N = np.fromiter(n_new_tokens, np.int64, len(n_new_tokens))
+    short_N = self.shortfall(slots_N, np.fromiter(n_new_tokens.values(), np.int64, len(n_new_tokens)))
+    need_D = np.bincount(slots_N // self.slots_per_shard, weights=short_N, minlength=self.n_shards)
+    return all(k <= self.n_free_pages(d) for d, k in enumerate(need_D))
+
+  def shortfall(self, slots_N: np.ndarray, n_new_N: np.ndarray) -> np.ndarray:
+    """Pages `ensure_capacity(slot, n)` would allocate for each slot and n (0 where it has them)."""
+    end_N = self._len_B[slots_N] + n_new_N
+    return np.maximum(0, -(-end_N // self.page_size) - self._alloc_B[slots_N])
 
   def ensure_capacity(self, slot: int, n_new_tokens: int) -> list[int]:
     """Allocates pages so positions [len, len + n_new_tokens) are writable; returns new pages."""
@@ -256,6 +264,7 @@ class PagePool:
     new = self._alloc(max(0, self._pages_for(end) - have), f"ensure_capacity slot {slot} (+{n_new_tokens})",
                       self.shard_of_slot(slot))
     self._table_BM[slot, have:have + len(new)] = new
+    self._alloc_B[slot] += len(new)
     return new
 
   def advance(self, slot: int, n: int) -> None:
@@ -280,6 +289,7 @@ class PagePool:
     released = self._release(self._table_BM[slot, :self._n_alloc(slot)])
     del self._slot_of[self._seq_B[slot]]
     self._table_BM[slot] = -1
+    self._alloc_B[slot] = 0
     self._len_B[slot], self._order_B[slot], self._seq_B[slot] = 0, -1, None
     return released
 
@@ -318,6 +328,7 @@ class PagePool:
       _require(len(pages) == self._pages_for(n), f"pin {pin_id}: {len(pages)} pages for {n} tokens")
       _require(bool((pages // self.pages_per_shard == d).all()), f"pin {pin_id} of shard {d} holds pages {pages}")
     _require(len(self._slot_of) == sum(s is not None for s in self._seq_B), "seq index out of sync")
+    _require(np.array_equal(self._alloc_B, (tab >= 0).sum(axis=1)), f"page counts {self._alloc_B} out of sync")
     for slot in range(self.n_slots):
       self._check_slot(slot)
 
@@ -344,7 +355,7 @@ class PagePool:
     return -(-n_tokens // self.page_size)
 
   def _n_alloc(self, slot: int) -> int:
-    return int(np.count_nonzero(self._table_BM[slot] >= 0))
+    return int(self._alloc_B[slot])
 
   def _check_active(self, slot: int, what: str) -> int:
     if not 0 <= slot < self.n_slots:

@@ -19,6 +19,8 @@ import collections
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxrl_topo.rollout import episodes
 from jaxrl_topo.rollout.kv_pool import OutOfPages
 from jaxrl_topo.rollout.requests import Request, Sample, check_requests
@@ -345,7 +347,9 @@ class _Loop:
   def reserve(self, lookahead: int) -> None:
     """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
     eng, need = self.engine, self.needs(lookahead)
-    for slot in list(self.live):
+    slots_N = np.fromiter(need, np.int64, len(need))
+    short_N = eng.pool.shortfall(slots_N, np.fromiter(need.values(), np.int64, len(need)))
+    for slot in slots_N[short_N > 0].tolist():  # the others have their pages (and nobody takes them)
       while slot in self.live:
         try:
           eng.pool.ensure_capacity(slot, need[slot])
