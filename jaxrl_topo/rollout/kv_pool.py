@@ -114,8 +114,8 @@ class PagePool:
 
   def n_free_slots(self, shard: int | None = None) -> int:
     """Free slots of one shard, or of the whole pool."""
-    seqs = self._seq_B if shard is None else self._seq_B[self._slots(shard)]
-    return sum(s is None for s in seqs)
+    order_b = self._order_B if shard is None else self._order_B[self._slots(shard)]
+    return int(np.count_nonzero(order_b < 0))  # an empty slot's stamp is -1 (check() holds it)
 
   def max_free_slots(self) -> int:
     """The most free slots one shard has: the largest group that can start at once."""

@@ -342,7 +342,9 @@ class _Loop:
 
   def needs(self, lookahead: int) -> dict[int, int]:
     """{live slot: tokens its next `lookahead` steps write}: no more than it has left."""
-    return {s: int(min(lookahead, self.engine.host.left_B[s])) for s in self.live}
+    slots_N = np.fromiter(self.live, np.int64, len(self.live))
+    need_N = np.minimum(lookahead, self.engine.host.left_B[slots_N])
+    return dict(zip(slots_N.tolist(), need_N.tolist(), strict=True))
 
   def reserve(self, lookahead: int) -> None:
     """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
