@@ -1,6 +1,6 @@
 """What a caller asks the rollout engine for and what it gets back: `Request` (a prompt, its n samples and
-their limits) and `Sample` (one finished sample), and the checks a batch of requests must pass before
-anything is compiled or admitted."""
+their limits) and `Sample` (one finished sample), the checks a batch of requests must pass before
+anything is compiled or admitted, and where a completion's stop string ends it."""
 
 from __future__ import annotations
 
@@ -63,3 +63,14 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
       raise ValueError(f"request {r}: max_turns must be >= 0 (0: a plain completion, not an episode)")
     if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= eng.cfg.vocab_size:
       raise ValueError(f"request {r}: token ids must lie in [0, {eng.cfg.vocab_size})")
+
+
+def stop_string_end(tokens: list[int], start: int, stops: Sequence[str], detokenize) -> int | None:
+  """Length of the shortest token prefix (> start) whose text contains a stop string, else None."""
+  if not any(s in detokenize(tokens) for s in stops):
+    return None
+  for n in range(start + 1, len(tokens) + 1):
+    text = detokenize(tokens[:n])
+    if any(s in text for s in stops):
+      return n
+  return len(tokens)  # the stop string straddles `start` (it cannot: it was checked then); be safe

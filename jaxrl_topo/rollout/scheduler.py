@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrl_topo.rollout import episodes
 from jaxrl_topo.rollout.kv_pool import OutOfPages
-from jaxrl_topo.rollout.requests import Request, Sample, check_requests
+from jaxrl_topo.rollout.requests import Request, Sample, check_requests, stop_string_end
 
 if TYPE_CHECKING:
   from jaxrl_topo.rollout.engine import RolloutEngine
@@ -313,7 +313,7 @@ class _Loop:
     sample.gen_ids += gen_ids
     sample.loss_mask += [1] * len(tokens)
     t0 = self.turn_start.get((r, i), 0)  # stop strings are looked for in this turn's text only
-    cut = _stop_string_end(sample.tokens[t0:], start - t0, req.stop_strings, eng.detokenize) if req.stop_strings \
+    cut = stop_string_end(sample.tokens[t0:], start - t0, req.stop_strings, eng.detokenize) if req.stop_strings \
         else None
     if cut is not None:
       cut += t0
@@ -392,13 +392,3 @@ class _Loop:
           eng.stats["aborted"] += 1
     eng._swap()
 
-
-def _stop_string_end(tokens: list[int], start: int, stops: Sequence[str], detokenize) -> int | None:
-  """Length of the shortest token prefix (> start) whose text contains a stop string, else None."""
-  if not any(s in detokenize(tokens) for s in stops):
-    return None
-  for n in range(start + 1, len(tokens) + 1):
-    text = detokenize(tokens[:n])
-    if any(s in text for s in stops):
-      return n
-  return len(tokens)  # the stop string straddles `start` (it cannot: it was checked then); be safe
