@@ -14,9 +14,7 @@ process runs this same command.
 Heavy imports live inside main(): reward worker processes are spawned and re-import this file.
 """
 
-import json
 import os
-import shutil
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -28,68 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary.json).", required=True)
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-_FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its checkpoints, init_model and metrics.")
-
-# Keys that make a checkpoint (or a preset's init_model/) another run's: a change here cannot resume.
-_IDENTITY = ("model.preset", "model.hf_dir", "model.overrides", "model.init_seed", "model.dtype", "lora.",
-             "data.source", "data.task")
-_RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
-              "reward_curve.png", "config.json")
-
-
-def _flat(d, prefix="") -> dict:
-  out = {}
-  for k, v in (d or {}).items():
-    if isinstance(v, dict) and v and not k.endswith("overrides"):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
-def identity_diff(old: dict, new: dict) -> list[str]:
-  """'key: old -> new' for every identity key (see _IDENTITY) that differs."""
-  a, b = _flat(old), _flat(new)
-  keys = sorted(k for k in set(a) | set(b) if k.startswith(_IDENTITY) or k in _IDENTITY)
-  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
-
-
-def _has_run(workdir: str) -> bool:
-  ckpts = os.path.join(workdir, "checkpoints")
-  has_ckpt = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
-  return has_ckpt or os.path.isfile(os.path.join(workdir, "init_model", "config.json"))
-
-
-def check_workdir(config_json: str, workdir: str) -> None:
-  """Raises (naming the differences) when `workdir` holds a checkpoint or an init_model of another run."""
-  path = os.path.join(workdir, "config.json")
-  if not _has_run(workdir):
-    return
-  if not os.path.isfile(path):
-    raise cli.UserError(f"{workdir} holds checkpoints but no config.json: use a new --workdir, or --fresh "
-                        "(--config.run.fresh=True)")
-  with open(path) as f:
-    old = json.load(f)
-  diff = identity_diff(old, json.loads(config_json))
-  if diff:
-    raise cli.UserError(f"{workdir} holds another run (its config.json differs in {'; '.join(diff)}); nothing "
-                        "was changed. Use a new --workdir, or --fresh (--config.run.fresh=True) to start this one "
-                        "over (deletes its checkpoints).")
-
-
-def start_over(workdir: str) -> list[str]:
-  """--fresh: removes the run's files from `workdir` (nothing else there); returns what went."""
-  gone = []
-  for name in _RUN_FILES:
-    p = os.path.join(workdir, name)
-    if os.path.isdir(p):
-      shutil.rmtree(p)
-    elif os.path.exists(p):
-      os.remove(p)
-    else:
-      continue
-    gone.append(name)
-  return gone
+_FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its checkpoints, init_model and metrics "
+                           "(once the config, data and devices have passed their checks).")
 
 
 def preflight(cfg) -> None:
@@ -131,22 +69,29 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--config is required, e.g. --config=configs/grpo_task.py:tiny")
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
+  from jaxrl_topo.runtime.workdir import check_data, check_workdir, start_over
 
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
-  workdir = _WORKDIR.value
-  if _FRESH.value or cfg.run.fresh:
-    gone = start_over(workdir) if os.environ.get("JAXRL_PROCESS_ID", "0") == "0" else []
-    if gone:
-      print(f"--fresh: removed {', '.join(gone)} from {workdir}")
-    _CONFIG.value.run.fresh = False  # a relaunch with the saved config.json resumes; it does not wipe
-  else:
-    check_workdir(_CONFIG.value.to_json(), workdir)  # before config.json is overwritten
+  check_data(cfg)  # the prompts build: a bad task or data file fails before the workdir is touched
+  workdir, fresh = _WORKDIR.value, _FRESH.value or cfg.run.fresh
+  if not fresh:
+    check_workdir(cfg, workdir)  # before config.json is overwritten
   distributed.initialize()
+  import jax
+
   from jaxrl_topo.runtime import run
   from jaxrl_topo.topology.carve import carve
 
   carve(cfg.topology)  # enough devices for the topology? (before the workdir is written)
+  if fresh:  # only now that every check has passed: a launch that cannot start deletes nothing
+    gone = start_over(workdir) if jax.process_index() == 0 else []
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("fresh")  # nobody reads the workdir before it is cleared
+    if gone:
+      print(f"--fresh: removed {', '.join(gone)} from {workdir}")
+    _CONFIG.value.run.fresh = False  # a relaunch with the saved config.json resumes; it does not wipe
   run.save_config(_CONFIG.value, workdir)
   summary = run.train(cfg, workdir, progress=_PROGRESS.value)
   print(f"held-out accuracy: before RL {summary['accuracy_before']:.3f}, after RL {summary['accuracy_after']:.3f} "

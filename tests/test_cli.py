@@ -125,12 +125,21 @@ def test_a_workdir_of_another_run_is_refused_untouched(tmp_path):
   assert r.returncode == 2, r.stderr[-3000:]
   assert "holds another run" in r.stderr and "model.init_seed: 0 -> 7" in r.stderr and "--fresh" in r.stderr
   assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
-  # The config key does what --fresh does: the old run's files go (this launch then stops at the
-  # device check, an async topology on one CPU device, before anything new is written).
-  r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7", "--config.run.fresh=True",
-             "--config.topology.mode=async")
-  assert r.returncode == 2 and "removed checkpoints, config.json" in r.stdout, r.stdout + r.stderr[-3000:]
-  assert not (work / "checkpoints").exists() and not (work / "config.json").exists()
+  # --fresh (or the config key) deletes the old run only once the launch's checks have passed. Before: this
+  # launch (an async topology on one CPU device) removed checkpoints and config.json, then failed its device check.
+  for fresh in ("--fresh", "--config.run.fresh=True"):
+    r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7", fresh, "--config.topology.mode=async")
+    assert r.returncode == 2 and "removed" not in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr[-3000:]
+    assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
+
+
+def test_bad_data_fails_before_the_workdir_is_made(tmp_path):
+  """Before: 'only 216 distinct prompts' came from inside the run, after config.json, init_model/ and
+  checkpoints/ were written, and the corrected relaunch was then refused as another run."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.data.task.length=3")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert "Task 'reversal' has only 216 distinct prompts" in r.stderr and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow
@@ -171,24 +180,3 @@ def test_child_env_keeps_the_users_xla_flags_and_accelerators(monkeypatch):
   monkeypatch.setattr(local_multiprocess.os.path, "exists", lambda p: p == "/dev/nvidia0")  # a GPU host
   env = local_multiprocess.child_env(0, 2, 1, 4, base={"XLA_FLAGS": "--xla_dump_to=/tmp/d"})
   assert "JAX_PLATFORMS" not in env and env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
-
-
-def test_fresh_clears_only_the_runs_files(tmp_path):
-  """--fresh (train.py's start_over) removes the run's files and keeps anything else in the workdir;
-  after it the workdir check passes."""
-  work = tmp_path / "w"
-  (work / "checkpoints" / "4").mkdir(parents=True)
-  (work / "init_model").mkdir()
-  (work / "init_model" / "config.json").write_text("{}")
-  (work / "config.json").write_text('{"model": {"preset": "other"}}')
-  (work / "notes.txt").write_text("mine")
-  code = ("import json, sys; sys.path.insert(0, 'launchers'); import train\n"
-          f"w = {str(work)!r}\n"
-          "new = json.dumps({'model': {'preset': 'tiny'}})\n"
-          "try:\n  train.check_workdir(new, w)\nexcept Exception as e:\n  print('REFUSED', e)\n"
-          "print('GONE', sorted(train.start_over(w)))\ntrain.check_workdir(new, w)\nprint('OK')\n")
-  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=60)
-  assert r.returncode == 0, r.stderr
-  assert "REFUSED" in r.stdout and "model.preset: 'other' -> 'tiny'" in r.stdout
-  assert "GONE ['checkpoints', 'config.json', 'init_model']" in r.stdout and r.stdout.strip().endswith("OK")
-  assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]

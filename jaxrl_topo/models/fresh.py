@@ -26,5 +26,10 @@ def write_fresh_model(out_dir: str, cfg: ModelConfig, seed: int = 0) -> None:
   _, params = init_params(cfg, jax.random.key(seed))
   eos_ids = [tok.token_to_id(t) for t in CHAR_EOS]
   hf_io.save_model(out_dir, cfg, params, bos_token_id=tok.token_to_id("<bos>"), eos_token_id=eos_ids)
-  save_tokenizer_dir(out_dir, tok, chat_template=CHATML_TEMPLATE, bos_token="<bos>", eos_token=CHAR_EOS[0],
-                     pad_token="<pad>", unk_token="<unk>")
+  save_char_tokenizer(out_dir, tok)
+
+
+def save_char_tokenizer(out_dir: str, tok=None) -> None:
+  """The char tokenizer's files (a fresh model's), with its ChatML template and special tokens, in `out_dir`."""
+  save_tokenizer_dir(out_dir, tok or build_char_tokenizer(), chat_template=CHATML_TEMPLATE, bos_token="<bos>",
+                     eos_token=CHAR_EOS[0], pad_token="<pad>", unk_token="<unk>")

@@ -298,6 +298,9 @@ class RunConfig:
     if self.rl.temperature != self.rollout.temperature:
       raise ValueError(f"rl.temperature={self.rl.temperature} must equal rollout.temperature="
                        f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
+    if self.rl.group_size > self.rollout.n_slots:
+      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots}: a group is "
+                       "generated at once")
     if self.reward.dynamic_sampling and self.rl.group_size < 2:
       raise ValueError("reward.dynamic_sampling drops groups without reward variance: rl.group_size must be >= 2")
     data = dict(self.topology.rollout_axes).get("data", 1)

@@ -205,9 +205,6 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   resp_len = cfg.rollout.max_new_tokens
   row_len = cfg.data.max_prompt_len + resp_len
   ecfg = engine_config(cfg, tuple(tokenizer.eos_token_ids), tokenizer.pad_token_id or 0)
-  if cfg.rl.group_size > cfg.rollout.n_slots:
-    raise ValueError(f"rl.group_size={cfg.rl.group_size} > rollout.n_slots={cfg.rollout.n_slots}: a group is "
-                     "generated at once")
   # Every process reads the whole global batch: each one drives the same global program and must
   # take the same decisions (prompts are a few KB of token ids).
   prompts = pipeline.make_prompt_iterator(cfg.data, tokenizer, process_index=0, process_count=1)

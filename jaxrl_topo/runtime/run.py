@@ -1,6 +1,7 @@
 """A whole training run: build, resume if a checkpoint exists, evaluate, train, checkpoint, summarise.
 
 `<workdir>` afterwards holds:
+  identity.json      the model and data its checkpoints belong to (runtime/workdir.py; another run's is refused)
   init_model/        the random-init HF directory (preset runs only)
   checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
   metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
@@ -30,9 +31,11 @@ from absl import logging
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import inflight
 from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
 from jaxrl_topo.runtime.metrics import MetricsWriter
+from jaxrl_topo.runtime.workdir import CONFIG_FILE
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.carve import carve
 
@@ -61,6 +64,10 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
 
 def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
+  # A workdir recorded under another model or data is refused before anything is read or written there.
+  workdir_lib.check_workdir(cfg, workdir, need_record=False)
+  if _main():
+    workdir_lib.write_identity(cfg, workdir)
   # Only the processes holding trainer devices hold (and save) the train state; the others learn the
   # checkpoint's step and meta from the lowest of them, and keep their shard-less state arrays.
   holders = frozenset(d.process_index for d in carve(cfg.topology).trainer.devices.flat)
@@ -194,9 +201,6 @@ def read_spans(workdir: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- the run's config on disk, and export
-
-CONFIG_FILE = "config.json"
-
 
 def save_config(config, workdir: str) -> None:
   """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back."""

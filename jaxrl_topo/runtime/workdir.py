@@ -1,0 +1,118 @@
+"""A run's workdir before anything is written to it: whose run it holds, the checks a launch makes first, --fresh.
+
+A workdir's checkpoints (and a preset's init_model/) belong to one run: its identity is the model (preset,
+HF directory, overrides, init seed, dtype), the LoRA shape and the data (source, task). `train()` records it in
+identity.json and refuses to resume a workdir recorded under another identity, naming what differs; so does the
+launcher, which also reads the config.json of runs recorded before identity.json existed. `check_data` builds
+the prompts as `experiment.build` will, so bad data fails a launch before its workdir is touched, and
+`start_over` (--fresh) runs only after every check has passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+from jaxrl_topo.runtime.config import RunConfig
+
+IDENTITY_FILE = "identity.json"
+CONFIG_FILE = "config.json"  # the launcher's ConfigDict (run.save_config): export and resume read it
+RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
+             "reward_curve.png", CONFIG_FILE, IDENTITY_FILE)
+
+
+def identity(cfg: RunConfig) -> dict:
+  """{'section.key': value} of what makes a checkpoint this run's, as JSON would hold it."""
+  m, task = cfg.model, cfg.data.task
+  ident = {"model.preset": m.preset, "model.hf_dir": m.hf_dir, "model.overrides": dict(m.overrides),
+           "model.init_seed": m.init_seed, "model.dtype": m.dtype, "data.source": cfg.data.source,
+           "data.task": dataclasses.asdict(task) if task is not None else None,
+           **{f"lora.{k}": v for k, v in dataclasses.asdict(cfg.lora).items()}}
+  return json.loads(json.dumps(ident))  # tuples -> lists: compares equal to what was read back
+
+
+def identity_diff(old: dict, new: dict) -> list[str]:
+  """'key: old -> new' for every identity key that differs."""
+  return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def has_run(workdir: str) -> bool:
+  """Whether `workdir` holds a checkpoint or a preset's init_model/ (something a launch would resume)."""
+  ckpts = os.path.join(workdir, "checkpoints")
+  has_ckpt = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
+  return has_ckpt or os.path.isfile(os.path.join(workdir, "init_model", "config.json"))
+
+
+def recorded_identity(workdir: str) -> dict | None:
+  """The identity the workdir's run was recorded under (identity.json, else the launcher's config.json)."""
+  path = os.path.join(workdir, IDENTITY_FILE)
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  path = os.path.join(workdir, CONFIG_FILE)
+  if os.path.isfile(path):
+    from jaxrl_topo.runtime.config import from_config_dict
+    with open(path) as f:
+      try:
+        return identity(from_config_dict(json.load(f)))
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"{path} does not load ({e}): use a new workdir, or --fresh (run.fresh) to start it "
+                         "over") from None
+  return None
+
+
+def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True) -> None:
+  """Raises ValueError, naming the differences, when `workdir` holds another run; nothing is changed. A run
+  with no record (`train()` before identity.json) is refused when `need_record`, else trusted."""
+  if not has_run(workdir):
+    return
+  old = recorded_identity(workdir)
+  if old is None:
+    if need_record:
+      raise ValueError(f"{workdir} holds checkpoints but no {CONFIG_FILE} or {IDENTITY_FILE}: use a new --workdir, "
+                       "or --fresh (--config.run.fresh=True)")
+    return
+  diff = identity_diff(old, identity(cfg))
+  if diff:
+    raise ValueError(f"{workdir} holds another run (it was recorded with {'; '.join(diff)}); nothing was "
+                     "changed. Use a new --workdir, or --fresh (--config.run.fresh=True) to start this one over "
+                     "(deletes its checkpoints).")
+
+
+def write_identity(cfg: RunConfig, workdir: str) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, IDENTITY_FILE), "w") as f:
+    json.dump(identity(cfg), f, indent=2)
+
+
+def start_over(workdir: str) -> list[str]:
+  """--fresh: removes the run's files from `workdir` (nothing else there); returns what went."""
+  gone = []
+  for name in RUN_FILES:
+    p = os.path.join(workdir, name)
+    if os.path.isdir(p):
+      shutil.rmtree(p)
+    elif os.path.exists(p):
+      os.remove(p)
+    else:
+      continue
+    gone.append(name)
+  return gone
+
+
+def check_data(cfg: RunConfig) -> None:
+  """Builds the training and held-out prompts as `experiment.build` will (tokenized, length-filtered, the
+  task's distinct prompts drawn), with nothing written: their errors come before the workdir is touched."""
+  from jaxrl_topo.data import pipeline
+  from jaxrl_topo.models.fresh import save_char_tokenizer
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
+  with tempfile.TemporaryDirectory() as tmp:
+    if cfg.model.hf_dir is None:  # a preset: the char tokenizer its init_model/ will hold
+      save_char_tokenizer(tmp)
+    tokenizer = Tokenizer.from_dir(cfg.model.hf_dir or tmp)
+    pipeline.load_prompts(cfg.data, tokenizer, "train")
+    pipeline.load_prompts(cfg.data, tokenizer, "heldout")

@@ -1,0 +1,116 @@
+"""Tests for runtime/workdir.py: a workdir's run identity, the checks made before it is touched, --fresh.
+
+Before: only launchers/train.py compared a workdir's config.json with the new config, so `run.train` from a
+script resumed a workdir of another model or task (a 2-layer init_model under a 3-layer config); bad data (a
+task with too few distinct prompts, every prompt over max_prompt_len) failed inside `build`, after config.json
+and init_model/ were written, and --fresh deleted the old run before any of that was checked."""
+
+import json
+import os
+
+import pytest
+from test_rl_loop import load_config
+
+from jaxrl_topo.runtime import run as run_lib
+from jaxrl_topo.runtime import workdir
+from jaxrl_topo.runtime.config import from_config_dict
+
+
+def _config(**overrides):
+  return load_config("grpo_task", "tiny", **overrides)
+
+
+def _fake_run(work, recorded):
+  """A workdir holding a preset's init_model/ and checkpoint 4 of the run `recorded` (a ConfigDict)."""
+  (work / "checkpoints" / "4").mkdir(parents=True)
+  (work / "init_model").mkdir()
+  (work / "init_model" / "config.json").write_text("{}")
+  workdir.write_identity(from_config_dict(recorded), str(work))
+
+
+def test_a_script_cannot_resume_a_workdir_of_another_run(tmp_path):
+  """run.train (no launcher) refuses a workdir recorded with another task and model, naming both, before it
+  reads or writes anything there; the same identity passes."""
+  work = tmp_path / "w"
+  _fake_run(work, _config())
+  before = sorted(p.name for p in work.rglob("*"))
+  changed = from_config_dict(_config(**{"data.task.length": 5, "model.overrides": {"n_layers": 3}}))
+  with pytest.raises(ValueError, match="holds another run") as err:
+    run_lib.train(changed, str(work), progress=False)
+  assert "data.task: {" in str(err.value) and "'length': 4" in str(err.value) and "'length': 5" in str(err.value)
+  assert "model.overrides: {} -> {'n_layers': 3}" in str(err.value)
+  assert sorted(p.name for p in work.rglob("*")) == before
+  workdir.check_workdir(from_config_dict(_config(**{"run.steps": 7})), str(work))  # not identity: resumes
+
+
+def test_an_unrecorded_run_is_refused_by_the_launcher_and_trusted_by_a_script(tmp_path):
+  work = tmp_path / "w"
+  (work / "checkpoints" / "4").mkdir(parents=True)
+  cfg = from_config_dict(_config())
+  with pytest.raises(ValueError, match="holds checkpoints but no config.json or identity.json"):
+    workdir.check_workdir(cfg, str(work))
+  workdir.check_workdir(cfg, str(work), need_record=False)
+
+
+def test_a_launcher_runs_config_json_is_its_record(tmp_path):
+  """Runs recorded before identity.json: the launcher's config.json (a ConfigDict) gives the identity."""
+  work = tmp_path / "w"
+  (work / "checkpoints" / "4").mkdir(parents=True)
+  (work / "config.json").write_text(_config().to_json(indent=2))
+  workdir.check_workdir(from_config_dict(_config()), str(work))
+  with pytest.raises(ValueError, match=r"model.init_seed: 0 -> 7"):
+    workdir.check_workdir(from_config_dict(_config(**{"model.init_seed": 7})), str(work))
+
+
+def test_fresh_clears_only_the_runs_files(tmp_path):
+  """start_over removes the run's files and keeps anything else in the workdir; after it the check passes."""
+  work = tmp_path / "w"
+  _fake_run(work, _config())
+  (work / "config.json").write_text(_config().to_json(indent=2))
+  (work / "notes.txt").write_text("mine")
+  new = from_config_dict(_config(**{"model.init_seed": 7}))
+  with pytest.raises(ValueError, match="model.init_seed: 0 -> 7"):
+    workdir.check_workdir(new, str(work))
+  assert sorted(workdir.start_over(str(work))) == ["checkpoints", "config.json", "identity.json", "init_model"]
+  workdir.check_workdir(new, str(work))
+  assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"data.task.length": 3}, "only 216 distinct prompts"),
+    ({"data.max_prompt_len": 4}, "No prompts left from reversal: 1000 of 1000 rows are over"),
+])
+def test_bad_data_is_refused_with_nothing_written(tmp_path, monkeypatch, overrides, match):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=match):
+    workdir.check_data(from_config_dict(_config(**overrides)))
+  assert not os.listdir(tmp_path)
+  workdir.check_data(from_config_dict(_config()))  # the config as shipped builds its prompts
+
+
+def test_a_group_larger_than_the_slots_is_a_config_error():
+  with pytest.raises(ValueError, match=r"rl.group_size=16 > rollout.n_slots=8: a group is generated at once"):
+    from_config_dict(_config(**{"rollout.n_slots": 8}))
+
+
+def test_identity_is_what_json_reads_back(tmp_path):
+  cfg = from_config_dict(_config(**{"lora.rank": 4}))
+  workdir.write_identity(cfg, str(tmp_path))
+  with open(tmp_path / "identity.json") as f:
+    assert json.load(f) == workdir.identity(cfg)  # tuples (lora.targets) compare as the lists read back
+
+
+def test_a_task_config_takes_a_file_source(tmp_path):
+  """configs/grpo_task.py with --config.data.source=FILE: the file's rows are the prompts (the task's knobs go
+  unused). Before: 'task.name 'reversal' does not match source', and no way to unset data.task from the command
+  line. A file source needs held-out prompts of its own, which check_data asks for before anything is written."""
+  rows = tmp_path / "rev.jsonl"
+  rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1]}) + "\n"
+                          for w in ("abcd", "fade", "cafe", "bead")))
+  cfg = from_config_dict(_config(**{"data.source": str(rows)}))
+  assert cfg.data.task is None and workdir.identity(cfg)["data.task"] is None
+  with pytest.raises(ValueError, match="No held-out prompts: set eval_source"):
+    workdir.check_data(cfg)
+  workdir.check_data(from_config_dict(_config(**{"data.source": str(rows), "data.eval_source": str(rows)})))
+  with pytest.raises(ValueError, match="does not match source"):  # a task source still must match its task
+    from_config_dict(_config(**{"data.source": "arithmetic"}))
