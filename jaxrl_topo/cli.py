@@ -124,6 +124,21 @@ def _want_traceback() -> bool:
   return any(a in ("--traceback", "-traceback", "--traceback=true") for a in sys.argv[1:])  # failed parsing
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, except that an error raised by a config file's get_config (a bad `:ARG`) is one
+  line, not ml-collections' whole traceback under 'FATAL Flags parsing error'."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    text = str(e).strip()
+    if "Error whilst parsing config file" not in text or _want_traceback():
+      return app.parse_flags_with_usage(argv)  # absl's own report ('FATAL Flags parsing error', status 1)
+    flag = next((a for a in argv[1:] if a.startswith(("--config=", "-config="))), "--config")
+    print(f"error: {flag}: {text.splitlines()[-1]}\n(run with --traceback to see where it was raised)",
+          file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+
+
 def launch(main: Callable[[list[str]], None]) -> None:
   """absl's app.run(main) with the behaviour described in the module doc."""
 
@@ -133,7 +148,7 @@ def launch(main: Callable[[list[str]], None]) -> None:
     return main(argv)
 
   try:
-    app.run(wrapped)
+    app.run(wrapped, flags_parser=_parse_flags)
   except SystemExit as e:
     if e.code not in (0, None) and _distributed():
       _leave(e.code if isinstance(e.code, int) else 1)

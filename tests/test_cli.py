@@ -87,6 +87,14 @@ def test_config_typo_is_one_plain_line(tmp_path):
   assert "Traceback" not in r.stderr and "\\n" not in r.stderr
 
 
+def test_a_bad_config_argument_is_one_line(tmp_path):
+  """The config file's get_config refusing its argument. Before: 'FATAL Flags parsing error' over ml-collections'
+  whole traceback."""
+  r = _train("--config=configs/grpo_task.py:tinny", f"--workdir={tmp_path / 'w'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "FATAL" not in r.stderr, r.stderr
+  assert r.stderr.startswith("error: --config=configs/grpo_task.py:tinny: ValueError: unknown preset 'tinny'")
+
+
 def test_invalid_value_without_then_with_traceback(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_size=1")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
