@@ -3,8 +3,9 @@
   python launchers/review.py --config=configs/grpo_gsm8k.py:/models/qwen --out=review/ \
       [--workdir=RUN] [--train_s=30 --decode_tokens_per_s=2000 --link_gbps=100 --n_devices=64]
 
-Writes record.md, record.json, timelines.png and split_sweep.png into --out. Without --workdir the
-simulator runs on the stated assumptions; with it, on the run's measured spans, and the record adds
+Writes record.md, record.json, timelines.png and (with n_devices >= 2, devices to split) split_sweep.png
+into --out. Without --workdir the simulator runs on the stated assumptions; with it, on the run's
+measured spans, and the record adds
 the measured breakdown and staleness (exiting non-zero if the staleness bound was ever exceeded).
 A --workdir of launchers/mux.py (a co-execution group, no --config) gets group.md, group.json and
 group_timeline.png instead: every job's phases on each pool, from the group's mux_spans.jsonl.
