@@ -82,3 +82,7 @@ def build_dataclass(cls, value: Any, where: str):
     return cls(**kwargs)
   except TypeError as e:  # a missing required field
     raise ValueError(f"config section {where}: {e}") from None
+  except ValueError as e:  # a class's own check, worded for its library users: say which section it is
+    if f"{where}." in str(e) or str(e).startswith("config"):
+      raise
+    raise ValueError(f"config section {where}: {e}") from e
