@@ -298,9 +298,6 @@ class RunConfig:
     if self.rl.temperature != self.rollout.temperature:
       raise ValueError(f"rl.temperature={self.rl.temperature} must equal rollout.temperature="
                        f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
-    if self.rl.group_size > self.rollout.n_slots:
-      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots}: a group is "
-                       "generated at once")
     if self.reward.dynamic_sampling and self.rl.group_size < 2:
       raise ValueError("reward.dynamic_sampling drops groups without reward variance: rl.group_size must be >= 2")
     data = dict(self.topology.rollout_axes).get("data", 1)
@@ -308,6 +305,9 @@ class RunConfig:
       if getattr(self.rollout, name) % data:
         raise ValueError(f"rollout.{name}={getattr(self.rollout, name)} must be a multiple of the rollout mesh's "
                          f"data axis ({data}): each data shard owns an equal share")
+    if self.rl.group_size > self.rollout.n_slots:
+      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots}: a group is "
+                       "generated at once")
     budget, row = self.train.max_tokens_per_row, self.data.max_prompt_len + self.rollout.max_new_tokens
     if budget and budget < row:
       raise ValueError(f"train.max_tokens_per_row={budget} < data.max_prompt_len + rollout.max_new_tokens = {row}: "
