@@ -133,13 +133,12 @@ def test_a_workdir_of_another_run_is_refused_untouched(tmp_path):
   assert r.returncode == 2, r.stderr[-3000:]
   assert "holds another run" in r.stderr and "model.init_seed: 0 -> 7" in r.stderr and "--fresh" in r.stderr
   assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
-  # --fresh (or the config key) deletes the old run only once the launch's checks have passed. Before: this
-  # launch (an async topology on one CPU device) removed checkpoints and config.json, then failed its device check.
-  for fresh in ("--fresh", "--config.run.fresh=True"):
-    r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7", fresh, "--config.topology.mode=async")
-    assert r.returncode == 2 and "removed" not in r.stdout, r.stdout + r.stderr[-3000:]
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr[-3000:]
-    assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
+  # --fresh deletes the old run only once the launch's checks have passed. Before: this launch (an async
+  # topology on one CPU device) removed checkpoints and config.json, then failed its device check.
+  r = _train(TINY, f"--workdir={work}", "--config.model.init_seed=7", "--fresh", "--config.topology.mode=async")
+  assert r.returncode == 2 and "removed" not in r.stdout, r.stdout + r.stderr[-3000:]
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr[-3000:]
+  assert (work / "config.json").read_text() == old and (work / "checkpoints" / "4").is_dir()
 
 
 def test_bad_data_fails_before_the_workdir_is_made(tmp_path):
