@@ -342,19 +342,22 @@ class _Loop:
 
   def needs(self, lookahead: int) -> dict[int, int]:
     """{live slot: tokens its next `lookahead` steps write}: no more than it has left."""
+    return dict(zip(*(a.tolist() for a in self._needs_N(lookahead)), strict=True))
+
+  def _needs_N(self, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """`needs` as arrays: (live slots, tokens each writes)."""
     slots_N = np.fromiter(self.live, np.int64, len(self.live))
-    need_N = np.minimum(lookahead, self.engine.host.left_B[slots_N])
-    return dict(zip(slots_N.tolist(), need_N.tolist(), strict=True))
+    return slots_N, np.minimum(lookahead, self.engine.host.left_B[slots_N])
 
   def reserve(self, lookahead: int) -> None:
     """Pages for the next chunk's writes; out of pages -> preempt the youngest and requeue them."""
-    eng, need = self.engine, self.needs(lookahead)
-    slots_N = np.fromiter(need, np.int64, len(need))
-    short_N = eng.pool.shortfall(slots_N, np.fromiter(need.values(), np.int64, len(need)))
-    for slot in slots_N[short_N > 0].tolist():  # the others have their pages (and nobody takes them)
+    eng = self.engine
+    slots_N, need_N = self._needs_N(lookahead)
+    short_N = eng.pool.shortfall(slots_N, need_N) > 0  # the others have their pages (and nobody takes them)
+    for slot, need in zip(slots_N[short_N].tolist(), need_N[short_N].tolist(), strict=True):
       while slot in self.live:
         try:
-          eng.pool.ensure_capacity(slot, need[slot])
+          eng.pool.ensure_capacity(slot, need)
           break
         except OutOfPages as err:
           if self.pinned:  # pinned prompts go first: their samples can be prefilled again
