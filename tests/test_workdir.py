@@ -114,3 +114,13 @@ def test_a_task_config_takes_a_file_source(tmp_path):
   workdir.check_data(from_config_dict(_config(**{"data.source": str(rows), "data.eval_source": str(rows)})))
   with pytest.raises(ValueError, match="does not match source"):  # a task source still must match its task
     from_config_dict(_config(**{"data.source": "arithmetic"}))
+
+
+def test_a_script_whose_run_cannot_start_leaves_nothing_behind(tmp_path):
+  """run.train on a new workdir with bad data: build wrote init_model/ (and train identity.json) before the
+  prompts failed. Those go again, so the corrected call is not refused as another run."""
+  work = tmp_path / "w"
+  with pytest.raises(ValueError, match="only 216 distinct prompts"):
+    run_lib.train(from_config_dict(_config(**{"data.task.length": 3})), str(work), progress=False)
+  assert not [p.name for p in work.iterdir() if p.name in workdir.RUN_FILES]
+  workdir.check_workdir(from_config_dict(_config()), str(work))

@@ -66,6 +66,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
   # A workdir recorded under another model or data is refused before anything is read or written there.
   workdir_lib.check_workdir(cfg, workdir, need_record=False)
+  new = not workdir_lib.has_run(workdir)
   if _main():
     workdir_lib.write_identity(cfg, workdir)
   # Only the processes holding trainer devices hold (and save) the train state; the others learn the
@@ -74,7 +75,14 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints, processes=holders)
           if jax.process_index() in holders else None)
   latest = hostcomm.broadcast(ckpt.latest_step() if ckpt else None, src=min(holders))
-  exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  try:
+    exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  except Exception:
+    if ckpt is not None:
+      ckpt.close()
+    if new and _main():  # a run that never started leaves nothing behind: the corrected call starts afresh
+      workdir_lib.start_over(workdir)
+    raise
   start, before, produced = 0, None, []
   try:
     if latest is not None:

@@ -83,9 +83,12 @@ def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True) -> 
 
 
 def write_identity(cfg: RunConfig, workdir: str) -> None:
+  """identity.json, replaced whole: another process checking the workdir never reads half a file."""
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, IDENTITY_FILE), "w") as f:
+  path = os.path.join(workdir, IDENTITY_FILE)
+  with open(path + ".tmp", "w") as f:
     json.dump(identity(cfg), f, indent=2)
+  os.replace(path + ".tmp", path)
 
 
 def start_over(workdir: str) -> list[str]:
