@@ -8,9 +8,11 @@
 Every job is an ordinary config file (`path:arg`), run in `<workdir>/<job id>` (job ids: `0-grpo_task`,
 `1-dapo`, ...) as a disaggregated, strictly on-policy run (eta = 0). `--config.a.b=v` applies to every job;
 a job's own overrides follow its config, comma-separated (`--job=configs/dapo.py:tiny,run.seed=3,rl.group_size=8`;
-a value cannot hold a comma). All jobs must carve the same pools (same topology). A job that fails is
-reported with its id; the others go on. `<workdir>` gets mux_spans.jsonl (every phase, with its job id),
-mux_summary.json (per job: ok/error and steps; per pool: busy fraction) and mux_timeline.png. Each job
+a value cannot hold a comma). All jobs must carve the same pools (same topology). Every job is checked
+before anything is written (config, prompts, whether its subfolder holds another run: `mux.jobs.check_job`); a
+job failing those stops the launch. A job that fails while running is reported with its id; the others go on.
+`<workdir>` gets mux_spans.jsonl (every phase, with its job id), mux_summary.json (per job: ok/error and steps;
+per pool: busy fraction) and mux_timeline.png. Each job
 checkpoints every `run.checkpoint_every` steps and at its end; running the launcher again on the same
 workdir resumes every job from its newest checkpoint (a finished job has nothing left to do).
 """
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxrl_topo import cli
-from jaxrl_topo.mux.jobs import parse_job, split_overrides
+from jaxrl_topo.mux.jobs import check_job, parse_job, split_overrides
 
 _JOB = flags.DEFINE_multi_string("job", [], "A job: config file[:arg][,key=value,...] (repeat per job).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Group directory: one subfolder per job, plus the group's spans.")
@@ -47,20 +49,22 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.mux import report
   from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
   from jaxrl_topo.runtime import run
-  from jaxrl_topo.runtime.config import from_config_dict
   from jaxrl_topo.runtime.metrics import MetricsWriter
+  from jaxrl_topo.runtime.workdir import write_identity
 
   workdir = _WORKDIR.value
   specs, configs = [], {}
   for i, spec in enumerate(_JOB.value):
     jid, config = parse_job(spec, COMMON, i)
     configs[jid] = config
-    specs.append(JobSpec(jid, from_config_dict(config), os.path.join(workdir, jid)))
+    jobdir = os.path.join(workdir, jid)
+    specs.append(JobSpec(jid, check_job(jid, config, jobdir), jobdir))  # every job checked before any is written
   group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value,
                                    resize=_RESIZE.value), workdir,
                 checkpoints=True)
   for s in specs:
     run.save_config(configs[s.job_id], s.workdir)
+    write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused
   group.build()
   writers = {}
 

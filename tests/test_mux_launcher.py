@@ -11,7 +11,7 @@ import pytest
 from subproc import cpu_env
 
 from jaxrl_topo.cli import UserError
-from jaxrl_topo.mux.jobs import parse_job, split_overrides
+from jaxrl_topo.mux.jobs import check_job, parse_job, split_overrides
 from jaxrl_topo.mux.report import read_spans
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +36,26 @@ def test_a_job_takes_the_common_overrides_then_its_own():
 def test_an_unknown_key_is_rejected_with_its_job_spec():
   with pytest.raises(UserError, match="rl.gruop_size"):
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)
+
+
+def test_each_job_is_checked_before_anything_is_written(tmp_path):
+  """A job with bad data, or whose workdir holds another run, is refused by its id before the launcher writes any
+  job's files (it checks every job first); a good job passes and its workdir stays empty."""
+  from jaxrl_topo.runtime import workdir
+
+  _, good = parse_job(f"{CONFIGS}/grpo_task.py:tiny", [], 0)
+  _, few = parse_job(f"{CONFIGS}/dapo.py:tiny,data.task.length=3", [], 1)
+  with pytest.raises(UserError, match="^job 1-dapo: .*only 216 distinct prompts"):
+    check_job("1-dapo", few, str(tmp_path / "1-dapo"))
+  assert check_job("0-grpo_task", good, str(tmp_path / "0-grpo_task")).data.task.length == 4
+  assert not list(tmp_path.iterdir())
+  other = tmp_path / "0-grpo_task"  # a relaunch on a workdir that ran a 3-layer model
+  (other / "checkpoints" / "2").mkdir(parents=True)
+  _, three = parse_job(f"{CONFIGS}/grpo_task.py:tiny,model.overrides={{'n_layers': 3}}", [], 0)
+  workdir.write_identity(check_job("0-grpo_task", three, str(tmp_path / "fresh")), str(other))
+  diff = r"model.overrides: \{'n_layers': 3\} -> \{\}"
+  with pytest.raises(UserError, match=rf"^job 0-grpo_task: .*holds another run.*{diff}"):
+    check_job("0-grpo_task", good, str(other))
 
 
 @pytest.mark.slow

@@ -54,3 +54,19 @@ def parse_job(spec: str, common: Sequence[str], index: int):
   for item in [*common, *own]:
     apply_override(config, item)
   return f"{index}-{os.path.splitext(os.path.basename(path))[0]}", config
+
+
+def check_job(job_id: str, config, workdir: str):
+  """The job's RunConfig, after the checks a solo launch makes before its workdir is touched: the config, its
+  prompts (`check_data`) and whose run `workdir` holds (`check_workdir`). A failure is a UserError naming the
+  job; the launcher checks every job before it writes anything, so nothing is lost to a bad one."""
+  from jaxrl_topo.runtime.config import from_config_dict
+  from jaxrl_topo.runtime.workdir import check_data, check_workdir
+
+  try:
+    cfg = from_config_dict(config)
+    check_data(cfg)
+    check_workdir(cfg, workdir)
+  except (ValueError, OSError) as e:
+    raise UserError(f"job {job_id}: {e}") from None
+  return cfg
