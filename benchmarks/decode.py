@@ -137,7 +137,7 @@ def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, samp
   ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap, impl=read,
                       n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
                       max_chunk=args.max_chunk, sampling=sampling, eos_ids=(), overlap=not args.no_overlap,
-                      min_window_tokens=args.min_window_tokens)
+                      min_window_tokens=args.min_window_tokens, min_pack_rows=args.min_pack_rows)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
   requests = [Request(p, n=1, max_new_tokens=int(n)) for p, n in zip(prompts, lengths, strict=True)]
 
@@ -284,6 +284,8 @@ def main():
                       help="paged: longest chunk when nothing needs chunk boundaries (0 = tail chunks only)")
   parser.add_argument("--min_window_tokens", type=int, default=EngineConfig.min_window_tokens,
                       help="paged, window read: no window or read narrower than this (0 = bucketed's widths)")
+  parser.add_argument("--min_pack_rows", type=int, default=EngineConfig.min_pack_rows,
+                      help="paged: a chunk's live rows are packed into no fewer than this many")
   parser.add_argument("--pools", default="256,2048,8192", help="pool: pool sizes in pages")
   parser.add_argument("--contexts", default="64,256,1024", help="pool: tokens cached per slot")
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -366,7 +368,8 @@ def main():
           **({"vs_dense": rows[impl] / rows["dense"]} if impl != "dense" and "dense" in rows else {}),
           **common,
           **({"decode_chunk": args.decode_chunk, "max_chunk": args.max_chunk, "overlap": not args.no_overlap,
-              "min_window_tokens": args.min_window_tokens, "prefills": stats.get("prefills", 0),
+              "min_window_tokens": args.min_window_tokens, "min_pack_rows": args.min_pack_rows,
+              "prefills": stats.get("prefills", 0),
               "preemptions": stats.get("preemptions", 0), **engine_rates(stats, tokens)} if impl != "dense" else {}),
       }), flush=True)
       if args.profile:

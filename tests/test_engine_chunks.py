@@ -78,6 +78,10 @@ def test_steps_compute_only_the_live_rows_packed(tiny):
   stats = eng.stats
   assert stats["busy_steps"] == 40 - 1 + 7 * 2  # every decode step after each prefill's first token
   assert stats["row_steps"] <= stats["slot_steps"] // 3, dict(stats)  # 2 rows (the fewest) of 8 for most steps
+  # min_pack_rows = the slots: no smaller batch (one decode program), same tokens.
+  whole = _engine(graphdef, params, n_slots=8, n_pages=128, decode_chunk=4, tail_chunk=8, eos_ids=(), min_pack_rows=8)
+  assert [s.tokens for s in whole.run(requests)] == [s.tokens for s in want]
+  assert whole.stats["row_steps"] == whole.stats["slot_steps"] > stats["slot_steps"] // 3, dict(whole.stats)
 
 
 def test_group_samples_start_as_slots_free_up_from_the_pinned_prompt(tiny):

@@ -251,12 +251,13 @@ class RolloutEngine:
     live_D = self.host.active_B.reshape(self.pool.n_shards, -1).sum(axis=1)
     free_batch = max(1, self.pool.slots_per_shard // 8)
     floor_D = (live_D - free_batch + 1 if exit_on_free else np.zeros_like(live_D)).astype(np.int32)
-    # Decode only the live rows, packed into a power-of-two batch per shard (a program per size used);
-    # the chunk ends once a shard's live rows fit half of it, so the next one runs on half the batch.
-    # Never fewer than 2 rows: XLA:CPU computes a 1-row matmul on another path (last-bit differences),
-    # and a row's tokens and log-probs must not depend on how many rows share its step.
-    rows = min(self.pool.slots_per_shard, max(2, _pow2(int(live_D.max())))) if pack else self.pool.slots_per_shard
-    if pack and rows > 2:
+    # Decode only the live rows, packed into a power-of-two batch per shard of at least min_pack_rows (a
+    # program per size used); the chunk ends once a shard's live rows fit half of it, so the next one runs on
+    # half the batch. A row's tokens and log-probs do not depend on how many rows share its step.
+    rows = self.pool.slots_per_shard
+    if pack:
+      rows = min(rows, max(e.min_pack_rows, _pow2(int(live_D.max()))))
+    if pack and rows > e.min_pack_rows:
       floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
     if not 0 < n_steps <= e.chunk_capacity:
       raise ValueError(f"a chunk of {n_steps} steps; EngineConfig allows 1..{e.chunk_capacity} (chunk_capacity)")

@@ -31,6 +31,12 @@ class EngineConfig:
   # doubles from tail_chunk up to this many steps while the longest live row needs it and the pool has
   # the pages (0 = never past tail_chunk). Chunk lengths are traced: they share one program
   max_chunk: int = 256
+  # run(): the live rows of a chunk are packed into a power-of-two batch per shard, no smaller than this (at most
+  # all of a shard's slots); each size met is a decode program to compile. Raise it where compiles cost more than
+  # the smaller batches save (on the CPU's tiny long-tail workload, 8 instead of 2 ran 10-20% slower at batches 4
+  # and 16: benchmarks/RESULTS.md). At least 2: XLA:CPU computes a 1-row matmul on another path, and a row's bits
+  # must not follow the rows beside it.
+  min_pack_rows: int = 2
 
   def __post_init__(self):
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
@@ -38,6 +44,8 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
     if self.min_window_tokens < 0:
       raise ValueError(f"EngineConfig.min_window_tokens={self.min_window_tokens} must be >= 0")
+    if self.min_pack_rows < 2:
+      raise ValueError(f"EngineConfig.min_pack_rows={self.min_pack_rows} must be >= 2")
     if self.tail_chunk < 0 or self.max_chunk < 0:
       raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
 

@@ -120,6 +120,7 @@ class RolloutSpec:
   # numbers never depend on the rows beside it)
   impl: str = "auto"
   min_window_tokens: int = 64  # impl window: no narrower window or read (fewer programs to compile); 0 = none
+  min_pack_rows: int = 2  # a chunk decodes its live rows packed into >= this many per shard (a program per size)
   # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
   # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
   # batch, each drained before the next starts. (Colocated and DAPO dynamic sampling are always batch by batch.)
@@ -136,6 +137,8 @@ class RolloutSpec:
       raise ValueError(f"rollout.max_chunk={self.max_chunk} must be >= 0 (0: chunks never grow)")
     if self.min_window_tokens < 0:
       raise ValueError(f"rollout.min_window_tokens={self.min_window_tokens} must be >= 0 (0: no floor)")
+    if self.min_pack_rows < 2:
+      raise ValueError(f"rollout.min_pack_rows={self.min_pack_rows} must be >= 2")
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
       if getattr(self, name) <= 0:
         raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
