@@ -257,8 +257,8 @@ class RolloutEngine:
     rows = self.pool.slots_per_shard
     if pack:
       rows = min(rows, max(e.min_pack_rows, _pow2(int(live_D.max()))))
-    if pack and rows > e.min_pack_rows:
-      floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
+      if rows > e.min_pack_rows:
+        floor_D = np.where(live_D > rows // 2, np.maximum(floor_D, rows // 2 + 1), floor_D).astype(np.int32)
     if not 0 < n_steps <= e.chunk_capacity:
       raise ValueError(f"a chunk of {n_steps} steps; EngineConfig allows 1..{e.chunk_capacity} (chunk_capacity)")
     # The chunk length is traced (one program whatever it is); the outputs have chunk_capacity rows.
