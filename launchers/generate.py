@@ -2,7 +2,7 @@
 
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
-      [--stop="</answer>" --stop="\n\n"] [--read=window]
+      [--stop="</answer>" --stop="\n\n"] [--read=window --kv_dtype=bfloat16 --min_pack_rows=2 --min_window_tokens=64]
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
@@ -21,6 +21,7 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
+from jaxrl_topo.rollout.engine_config import KV_DTYPES, EngineConfig
 from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
@@ -42,6 +43,12 @@ _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
+_KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV pool dtype (default: the compute --dtype).")
+_MIN_PACK = flags.DEFINE_integer("min_pack_rows", None, "Smallest batch a decode chunk's live rows are packed into "
+                                 "per data shard (>= 2; each size met is a program to compile; default "
+                                 f"{EngineConfig.min_pack_rows}).")
+_MIN_WINDOW = flags.DEFINE_integer("min_window_tokens", None, "--read=window: no narrower window than this many "
+                                   f"tokens (fewer programs to compile; default {EngineConfig.min_window_tokens}).")
 
 
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):
@@ -88,13 +95,15 @@ def apply_stops(rows: list[dict], tokenizer, stops: Sequence[str]) -> list[dict]
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  knobs = {"kv_dtype": _KV_DTYPE.value, "min_pack_rows": _MIN_PACK.value, "min_window_tokens": _MIN_WINDOW.value}
+  engine = generate.engine_knobs({k: v for k, v in knobs.items() if v is not None})  # bad values fail here, first
   tokenizer = check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   sampling = SamplingConfig(greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, min_p=_MIN_P.value)
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
-                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value)
+                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine)
   if _STOP.value:
     rows = apply_stops(rows, tokenizer, _STOP.value)
     with open(_OUT.value, "w") as f:

@@ -49,6 +49,12 @@ def test_out_equal_to_prompts_is_refused(tmp_path, model):
   assert p.read_text() == before
 
 
+def test_a_bad_engine_option_is_refused_before_any_work(tmp_path):
+  r = _run(GENERATE, f"--model={tmp_path / 'nope'}", f"--prompts={tmp_path / 'nope.jsonl'}",
+           f"--out={tmp_path / 'o.jsonl'}", "--min_pack_rows=1")
+  assert r.returncode == 2 and "min_pack_rows=1 must be >= 2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_prompt_plus_new_tokens_over_the_position_limit(tmp_path, model):
   """Before: nothing checked it (the tiny model has 512 positions)."""
   p = _prompts(tmp_path / "in.jsonl", ["ab", "a" * 480])

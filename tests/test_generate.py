@@ -107,15 +107,27 @@ def test_generate_command_end_to_end(tiny_dir, tmp_path, monkeypatch):
   alone = generate.run(tiny_dir, str(tmp_path / "one.jsonl"), str(tmp_path / "o1.jsonl"), max_new_tokens=6,
                        chat=True, batch_size=2)
   assert alone[0]["completion_ids"] == rows[1]["completion_ids"]
-  # The engine's window read (generate.run(read=...), the launcher's --read): the same tokens, log-probs to 1e-5.
-  reads, engine = [], generate.RolloutEngine
-  monkeypatch.setattr(generate, "RolloutEngine", lambda *a, **k: reads.append(a[3].impl) or engine(*a, **k))
+  # The engine's window read (generate.run(read=...), the launcher's --read) and its other knobs (engine=..., the
+  # launcher's --kv_dtype, --min_pack_rows, --min_window_tokens): the same tokens, log-probs to 1e-5.
+  seen, engine = [], generate.RolloutEngine
+  monkeypatch.setattr(generate, "RolloutEngine", lambda *a, **k: seen.append(a[3]) or engine(*a, **k))
   window = generate.run(tiny_dir, str(prompts), str(tmp_path / "w.jsonl"), max_new_tokens=6, chat=True, batch_size=2,
-                        read="window")
-  assert reads == ["window"], reads  # the read reached the engine (its tokens alone would not show it)
+                        read="window", engine={"kv_dtype": "float32", "min_pack_rows": 4, "min_window_tokens": 32})
+  # what reached the engine (its tokens alone would not show it)
+  assert [(e.impl, e.kv_dtype, e.min_pack_rows, e.min_window_tokens) for e in seen] == [("window", "float32", 4, 32)]
   assert [r["completion_ids"] for r in window] == [r["completion_ids"] for r in rows]
   np.testing.assert_allclose(sum((r["logprobs"] for r in window), []), sum((r["logprobs"] for r in rows), []),
                              atol=1e-5)
+
+
+def test_engine_options_are_checked_before_any_work():
+  with pytest.raises(ValueError, match=r"engine options \['n_slots'\]: generation sets .*'n_slots'.* itself"):
+    generate.engine_knobs({"n_slots": 4, "kv_dtype": "bfloat16"})
+  with pytest.raises(ValueError, match="min_pack_rows=1 must be >= 2"):
+    generate.engine_knobs({"min_pack_rows": 1})
+  with pytest.raises(ValueError, match=r"kv_dtype='int8'; expected one of"):
+    generate.engine_knobs({"kv_dtype": "int8"})
+  assert generate.engine_knobs(None) == {} and generate.engine_knobs({"max_chunk": 0}) == {"max_chunk": 0}
 
 
 def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tiny_dir, tmp_path):

@@ -7,6 +7,8 @@ import dataclasses
 from jaxrl_topo.rollout.host_state import _pow2
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
+KV_DTYPES = ("float32", "bfloat16", "float16")  # what the KV pool may hold
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -42,6 +44,8 @@ class EngineConfig:
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
     if self.min_window_tokens < 0:
       raise ValueError(f"EngineConfig.min_window_tokens={self.min_window_tokens} must be >= 0")
     if self.min_pack_rows < 2:

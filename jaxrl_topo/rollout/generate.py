@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -70,18 +70,21 @@ class Completion:
 
 def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: DecodeConfig, *, seed: int = 0,
                  batch_size: int = 8, vocab_size: int | None = None, mesh=None, progress: bool = False,
-                 impl: str = "paged", page_size: int = 16, read: str = "auto") -> list[Completion]:
+                 impl: str = "paged", page_size: int = 16, read: str = "auto",
+                 engine: Mapping[str, Any] | None = None) -> list[Completion]:
   """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position).
 
   impl="paged" runs the rollout engine (continuous batching over `batch_size` slots, a KV pool
-  big enough that nothing is ever preempted; `read`: its paged decode read, EngineConfig.impl);
+  big enough that nothing is ever preempted; `read`: its paged decode read, EngineConfig.impl;
+  `engine`: other EngineConfig knobs by name, e.g. {"kv_dtype": "bfloat16", "min_pack_rows": 4});
   impl="dense" the reference decoder in fixed batches. Both draw the same keys, so they give the same tokens."""
+  engine = engine_knobs(engine)
   for i, p in enumerate(prompts):
     if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
       raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size})")
   if impl == "paged":
     return _generate_paged(graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
-                           progress=progress, page_size=page_size, read=read)
+                           progress=progress, page_size=page_size, read=read, engine=engine)
   if impl != "dense":
     raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
@@ -103,31 +106,49 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
   return [out[i] for i in range(len(prompts))]
 
 
+# EngineConfig's fields that generation sets itself (from the batch size, the prompts, the decode config, `read`).
+_SET_HERE = ("n_slots", "page_size", "n_pages", "max_len", "min_bucket", "sampling", "eos_ids", "pad_id", "impl")
+
+
+def engine_knobs(engine: Mapping[str, Any] | None) -> dict[str, Any]:
+  """`engine` checked before any work: EngineConfig field names that generation leaves to the caller."""
+  engine = dict(engine or {})
+  free = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SET_HERE]
+  unknown = sorted(set(engine) - set(free))
+  if unknown:
+    raise ValueError(f"engine options {unknown}: generation sets {list(_SET_HERE)} itself; the others are {free}")
+  dataclasses.replace(EngineConfig(), **engine)  # their own checks (EngineConfig.__post_init__), raised now
+  return engine
+
+
 def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size,
-                    read: str):
+                    read: str, engine: dict[str, Any]):
   cfg = nnx.merge(graphdef, params).cfg
   max_len = -(-(max(map(len, prompts)) + decode.max_new_tokens) // page_size) * page_size
   ecfg = EngineConfig(n_slots=n_slots, page_size=page_size, n_pages=n_slots * (max_len // page_size),
                       max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,
-                      pad_id=decode.pad_id, impl=read)
-  engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
-  logging.info("rollout engine: %d slots, %d pages of %d tokens, decode read %s", n_slots, ecfg.n_pages, page_size,
-               engine.impl)
+                      pad_id=decode.pad_id, impl=read, **engine)
+  rollout = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
+  logging.info("rollout engine: %d slots, %d pages of %d tokens, decode read %s, KV %s", n_slots, ecfg.n_pages,
+               page_size, rollout.impl, ecfg.kv_dtype or "in the compute dtype")
   bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
 
   def progress_bar(eng) -> None:
     bar.update(eng.stats["finished"] - bar.n)
 
   progress_bar.needs_boundaries = False  # any chunk's end will do: chunks may grow (EngineConfig.max_chunk)
-  samples = engine.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts], on_chunk=progress_bar)
+  samples = rollout.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts], on_chunk=progress_bar)
   bar.close()
   return [Completion(s.tokens, s.logprobs, s.finish_reason) for s in samples]
 
 
 def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,
         sampling: SamplingConfig = SamplingConfig(greedy=True), seed: int = 0, chat: bool = False,
-        batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1, read: str = "auto") -> list[dict]:
-  """Reads prompts, generates, writes `out_path`; returns the written rows."""
+        batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1, read: str = "auto",
+        engine: Mapping[str, Any] | None = None) -> list[dict]:
+  """Reads prompts, generates, writes `out_path`; returns the written rows. `engine`: EngineConfig knobs by name
+  (generate_ids)."""
+  engine = engine_knobs(engine)
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
   prompts = read_prompts(prompts_path, tokenizer, chat)
   if batch_size % data:
@@ -140,7 +161,8 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
                len(prompts), eos)
   decode = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos), pad_id=pad)
   completions = generate_ids(graphdef, params, prompts, decode, seed=seed, batch_size=batch_size,
-                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read)
+                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read,
+                             engine=engine)
   rows = [dict(completion_ids=c.completion_ids, text=tokenizer.decode(c.completion_ids) if tokenizer else None,
                logprobs=c.logprobs, finish_reason=c.finish_reason) for c in completions]
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 from jaxrl_topo.data.pipeline import PromptDataConfig
 from jaxrl_topo.rollout.engine import UPDATE_POLICIES
+from jaxrl_topo.rollout.engine_config import KV_DTYPES
 from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import build_dataclass, plain
@@ -127,8 +128,8 @@ class RolloutSpec:
   continuous: bool = True
 
   def __post_init__(self):
-    if self.kv_dtype is not None and self.kv_dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected float32, bfloat16, float16 or None")
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
     if self.impl not in ("auto", *IMPLS):
       raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
     if self.update_policy not in UPDATE_POLICIES:
