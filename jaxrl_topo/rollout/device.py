@@ -35,6 +35,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_topo.rollout.paged import PagedKVCache, pages_read, window_widths
+from jaxrl_topo.rollout.requests import MAX_STOP_IDS
 from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_keys
 
 
@@ -82,6 +83,13 @@ class DecodeState:
   left_B: jax.Array  # int32 tokens still allowed
   active_B: jax.Array  # bool
   stop_BX: jax.Array  # int32 per-slot stop ids besides eos (-1 = none)
+
+  @classmethod
+  def idle(cls, cache: PagedKVCache, n_slots: int) -> DecodeState:
+    """No sequence in any of `n_slots` slots (each array its own buffer: the state is donated)."""
+    z = lambda: jnp.zeros((n_slots,), jnp.int32)  # noqa: E731
+    return cls(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((n_slots,), bool),
+               stop_BX=jnp.full((n_slots, MAX_STOP_IDS), -1, jnp.int32))
 
 
 def constrain(state: DecodeState, layout: Layout | None) -> DecodeState:

@@ -34,7 +34,7 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
-from jaxrl_topo.rollout.engine_config import EngineConfig
+from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES, EngineConfig
 from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave, count_chunk, window_pages
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
@@ -47,9 +47,6 @@ from jaxrl_topo.topology.hostcomm import to_host
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
 
 prefill, generate, patch = device.prefill, device.generate, device.patch  # the jitted functions (tests count traces)
-
-
-UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")
 
 
 class RolloutEngine:
@@ -106,10 +103,7 @@ class RolloutEngine:
       cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
                                  dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None,
                                  fold_heads=self._fold_heads, window_min_pages=e.window_min_pages)
-      z = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
-      state = DecodeState(cache=cache, last_B=z(), pos_B=z(), seq_B=z(), left_B=z(), active_B=jnp.zeros((B,), bool),
-                          stop_BX=jnp.full((B, MAX_STOP_IDS), -1, jnp.int32))
-      return device.constrain(state, self.layout)
+      return device.constrain(DecodeState.idle(cache, B), self.layout)
     return jax.jit(zeros) if self.layout is not None else zeros
 
   def release_kv(self) -> None:

@@ -8,6 +8,7 @@ from jaxrl_topo.rollout.host_state import _pow2
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 KV_DTYPES = ("float32", "bfloat16", "float16")  # what the KV pool may hold
+UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")  # RolloutEngine.update_weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

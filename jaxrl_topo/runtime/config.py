@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import typing
 from typing import Any
 
 from jaxrl_topo.data.pipeline import PromptDataConfig
-from jaxrl_topo.rollout.engine import UPDATE_POLICIES
-from jaxrl_topo.rollout.engine_config import KV_DTYPES
+from jaxrl_topo.rollout.engine_config import KV_DTYPES, UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.dataclass_io import build_dataclass, plain
+from jaxrl_topo.runtime.dataclass_io import build_dataclass, config_defaults, plain
 from jaxrl_topo.topology.carve import TopologyConfig
 from jaxrl_topo.train.config import LoraConfig, LossConfig, OptimConfig, TrainConfig
 
@@ -356,27 +354,6 @@ def from_config_dict(config: Any) -> RunConfig:
 # ---------------------------------------------------------------- the ConfigDict every config file starts from
 
 
-def _defaults(cls, **required) -> dict:
-  """{field: default}; a `T | None = None` field becomes a typed placeholder, so a locked config still
-  accepts `--config.section.field=value` for it (ml-collections cannot override a plain None)."""
-  from ml_collections import config_dict
-
-  hints = typing.get_type_hints(cls)
-  out = {}
-  for f in dataclasses.fields(cls):
-    if f.name in required:
-      out[f.name] = required[f.name]
-    elif f.default is None:
-      inner = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
-      simple = len(inner) == 1 and inner[0] in (str, int, float, bool)
-      out[f.name] = config_dict.placeholder(inner[0]) if simple else None
-    elif f.default is not dataclasses.MISSING:
-      out[f.name] = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-      out[f.name] = f.default_factory()
-  return out
-
-
 def config_from_file(path: str, arg: str | None = None):
   """`get_config(arg)` of a config file (what `--config=path:arg` gives the launchers), for configs that
   build on a sibling file and for tests."""
@@ -398,18 +375,18 @@ def base_config_dict():
   import ml_collections
 
   c = ml_collections.ConfigDict()
-  c.model = _defaults(ModelSpec)
-  c.data = _defaults(PromptDataConfig, source="arithmetic")
-  c.rollout = _defaults(RolloutSpec)
-  c.reward = _defaults(RewardSpec)
-  c.rl = _defaults(LossConfig, group_size=8)
-  c.optim = _defaults(OptimConfig)
-  c.lora = _defaults(LoraConfig)
-  c.train = _defaults(TrainSpec)
+  c.model = config_defaults(ModelSpec)
+  c.data = config_defaults(PromptDataConfig, source="arithmetic")
+  c.rollout = config_defaults(RolloutSpec)
+  c.reward = config_defaults(RewardSpec)
+  c.rl = config_defaults(LossConfig, group_size=8)
+  c.optim = config_defaults(OptimConfig)
+  c.lora = config_defaults(LoraConfig)
+  c.train = config_defaults(TrainSpec)
   # Every axis is listed (size 1 = unused) so `--config.topology.rollout.tensor=2` is a valid override.
   c.topology = dict(mode="colocated", trainer={"data": 1, "fsdp": 1, "tensor": 1}, rollout={"data": 1, "tensor": 1},
                     reward_devices=0)
-  c.run = _defaults(RunSpec)
-  c.sync = _defaults(SyncSpec)
-  c.env = _defaults(EnvSpec)
+  c.run = config_defaults(RunSpec)
+  c.sync = config_defaults(SyncSpec)
+  c.env = config_defaults(EnvSpec)
   return c

@@ -1,4 +1,4 @@
-"""ConfigDict -> frozen dataclasses, checked: unknown keys get a suggestion, every field is type-checked.
+"""ConfigDict <-> frozen dataclasses, checked: unknown keys get a suggestion, every field is type-checked.
 
 Generic over any dataclass whose fields are plain types, tuples, dicts, unions or nested dataclasses;
 `runtime/config.py` applies it to the run's sections.
@@ -86,3 +86,25 @@ def build_dataclass(cls, value: Any, where: str):
     if f"{where}." in str(e) or str(e).startswith("config"):
       raise
     raise ValueError(f"config section {where}: {e}") from e
+
+
+def config_defaults(cls, **required) -> dict:
+  """{field: default} of a dataclass: a ConfigDict section that build_dataclass reads back. A `T | None = None`
+  field becomes a typed placeholder, so a locked config still accepts `--config.section.field=value` for it
+  (ml-collections cannot override a plain None)."""
+  from ml_collections import config_dict
+
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.name in required:
+      out[f.name] = required[f.name]
+    elif f.default is None:
+      inner = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+      simple = len(inner) == 1 and inner[0] in (str, int, float, bool)
+      out[f.name] = config_dict.placeholder(inner[0]) if simple else None
+    elif f.default is not dataclasses.MISSING:
+      out[f.name] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[f.name] = f.default_factory()
+  return out
