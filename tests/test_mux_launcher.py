@@ -58,6 +58,17 @@ def test_each_job_is_checked_before_anything_is_written(tmp_path):
     check_job("0-grpo_task", good, str(other))
 
 
+def test_the_launcher_writes_nothing_when_a_later_job_fails_its_checks(tmp_path):
+  """The launcher as a user runs it: job 0 is good, job 1 has too few prompts; job 1 is named and nothing is
+  written, not even job 0's config (before: job 0's config.json and identity.json were written first)."""
+  cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py:tiny",
+         f"--job={CONFIGS}/dapo.py:tiny,data.task.length=3", f"--workdir={tmp_path / 'group'}"]
+  out = subprocess.run(cmd, env=cpu_env(2), capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "job 1-dapo: " in out.stderr and "only 216 distinct prompts" in out.stderr, out.stderr
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "group").exists() or not any((tmp_path / "group").rglob("*")), list(tmp_path.rglob("*"))
+
+
 @pytest.mark.slow
 def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   common = {"run.steps": 3, "run.sft_steps": 5, "run.sft_target_accuracy": 0.0, "data.batch_size": 4,
