@@ -40,11 +40,9 @@ demo: $(VENV)/.core
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 
-# Three xdist workers on a 2-core machine: much of the suite is single-threaded XLA compilation, and with two
-# workers the cores sat idle about 15% of the time (tests waiting on the processes they start, on sleeps, on
-# disk); a third fills that (14m49s against 15m54s-16m39s). tests/conftest.py groups tests that share module
-# fixtures onto one worker.
-PYTEST_WORKERS ?= 3
+# Two xdist workers: much of the suite is single-threaded XLA compilation, so the second core is
+# otherwise idle; tests/conftest.py groups tests that share module fixtures onto one worker.
+PYTEST_WORKERS ?= 2
 test: lint
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme" --durations=30
 
