@@ -259,8 +259,8 @@ def pool_sweep(graphdef, cfg, params, args, common, impls):
                       "insert_s": statistics.median(inserts[(impl, n_pages, ctx)]), **common}), flush=True)
 
 
-def main():
-  on_gpu = jax.default_backend() == "gpu"
+def make_parser(on_gpu: bool) -> argparse.ArgumentParser:
+  """decode.py's flags; tunix_compare.py parses its runners' settings with it too (so they cannot drift)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workload", default="longtail", choices=["longtail", "fixed", "pool"])
   parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
@@ -298,6 +298,12 @@ def main():
                       help="fixed and longtail workloads: after the timed runs, trace one more run of each impl into "
                       "DIR/<impl>-<batch> (jax.profiler) and print a 'decode_profile' line: device time by line and "
                       "the top kernels, per decode step (benchmarks/trace_summary.py; meant for a GPU)")
+  return parser
+
+
+def main():
+  on_gpu = jax.default_backend() == "gpu"
+  parser = make_parser(on_gpu)
   args = parser.parse_args()
   impls = args.impl.split(",")
   known = {"dense", "paged", *(f"paged:{r}" for r in IMPLS)}

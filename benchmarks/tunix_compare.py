@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import sys
-import types
 
 import jax
 import numpy as np
@@ -96,9 +95,9 @@ def main():
     parser.error("--impl must include tunix (the comparison's baseline)")
   cfg = decode.FIXED_MODEL
   graphdef, params = init_params(cfg, jax.random.key(args.seed))
-  # decode.py's runners read these fields of its parsed flags (the fixed-length workload's defaults)
-  flags = types.SimpleNamespace(workload="fixed", prompt_len=PROMPT_LEN, page_size=16, decode_chunk=8,
-                                max_chunk=decode.EngineConfig.max_chunk, no_overlap=False, seed=args.seed)
+  # decode.py's runners read its parsed flags: the fixed-length workload at decode.py's defaults
+  flags = decode.make_parser(jax.default_backend() == "gpu").parse_args(
+      ["--workload=fixed", f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW_TOKENS}", f"--seed={args.seed}"])
   common = {"bench": "tunix_compare", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "jax": jax.__version__, "date": datetime.date.today().isoformat(), "prompt_len": PROMPT_LEN,
             "new_tokens": NEW_TOKENS, "tunix": _tunix_version()}
