@@ -168,3 +168,20 @@ def launch(main: Callable[[list[str]], None]) -> None:
     if pid:
       print(f"error: {pid}{type(e).__name__}: {message(e)}", file=sys.stderr)
     _leave(USER_ERROR_EXIT if is_user_error(e) else 1)
+
+
+def define_engine_flags() -> Callable[[], dict]:
+  """The rollout engine's knobs as flags of a launcher (generate.py, serve.py): --kv_dtype, --min_pack_rows,
+  --min_window_tokens. Returns a function that gives the ones set on the command line, by EngineConfig name."""
+  from jaxrl_topo.rollout.engine_config import KV_DTYPES, EngineConfig
+
+  caller = sys._getframe(1).f_globals.get("__name__")  # absl lists a script's own flags under --help
+  where = {"module_name": sys.argv[0] if caller == "__main__" else caller}
+  defined = [
+      flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV pool dtype (default: the compute --dtype).", **where),
+      flags.DEFINE_integer("min_pack_rows", None, "Smallest batch a decode chunk's live rows are packed into per "
+                           "data shard (>= 2; each size met is a program to compile; default "
+                           f"{EngineConfig.min_pack_rows}).", **where),
+      flags.DEFINE_integer("min_window_tokens", None, "--read=window: no narrower window than this many tokens "
+                           f"(fewer programs to compile; default {EngineConfig.min_window_tokens}).", **where)]
+  return lambda: {f.name: f.value for f in defined if f.value is not None}

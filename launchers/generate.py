@@ -21,7 +21,6 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
-from jaxrl_topo.rollout.engine_config import KV_DTYPES, EngineConfig
 from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
@@ -43,12 +42,7 @@ _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
-_KV_DTYPE = flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV pool dtype (default: the compute --dtype).")
-_MIN_PACK = flags.DEFINE_integer("min_pack_rows", None, "Smallest batch a decode chunk's live rows are packed into "
-                                 "per data shard (>= 2; each size met is a program to compile; default "
-                                 f"{EngineConfig.min_pack_rows}).")
-_MIN_WINDOW = flags.DEFINE_integer("min_window_tokens", None, "--read=window: no narrower window than this many "
-                                   f"tokens (fewer programs to compile; default {EngineConfig.min_window_tokens}).")
+_ENGINE = cli.define_engine_flags()
 
 
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):
@@ -95,8 +89,7 @@ def apply_stops(rows: list[dict], tokenizer, stops: Sequence[str]) -> list[dict]
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  knobs = {"kv_dtype": _KV_DTYPE.value, "min_pack_rows": _MIN_PACK.value, "min_window_tokens": _MIN_WINDOW.value}
-  engine = generate.engine_knobs({k: v for k, v in knobs.items() if v is not None})  # bad values fail here, first
+  engine = generate.engine_knobs(_ENGINE())  # a bad value fails here, first
   tokenizer = check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   sampling = SamplingConfig(greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,

@@ -7,7 +7,8 @@
 
 Clients speak JetStream's protocol (jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub: Decode,
 HealthCheck), with text (the model's tokenizer.json) or token ids. The engine is the RL loop's paged
-rollout engine on a rollout mesh of --data x --tensor devices. Ctrl-C or SIGTERM stops the server;
+rollout engine on a rollout mesh of --data x --tensor devices (--read, --kv_dtype, --min_pack_rows and
+--min_window_tokens set its knobs, as in launchers/generate.py). Ctrl-C or SIGTERM stops the server;
 SIGUSR1 prints every thread's stack.
 """
 
@@ -40,6 +41,7 @@ _FOLLOW = flags.DEFINE_float("follow_s", 0.0, "With --workdir: every N seconds, 
 _POLICY = flags.DEFINE_enum("policy", "finish_on_old", ["keep_kv", "finish_on_old", "abort_and_resume"],
                             "How a hot weight swap lands (JetStreamEngine.swap_weights).")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
+_ENGINE = cli.define_engine_flags()
 
 
 def main(argv: Sequence[str]) -> None:
@@ -51,7 +53,7 @@ def main(argv: Sequence[str]) -> None:
   sc = server.ServeConfig(slots=_SLOTS.value, max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
                           decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
                           greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value,
-                          read=_READ.value)
+                          read=_READ.value, engine=_ENGINE())
   server.check_port(_PORT.value)  # before loading anything
   if _FOLLOW.value and not _WORKDIR.value:
     raise ValueError("--follow_s needs --workdir (a run whose new checkpoints to serve)")

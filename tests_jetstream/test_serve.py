@@ -19,6 +19,7 @@ import time
 
 import grpc
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
@@ -189,6 +190,20 @@ def test_the_decode_read_is_a_serve_config_key(model_dir, served):
   assert got == _reference(one_device, one_device.engine.params, prompts)
   with pytest.raises(ValueError, match="read='paged'"):
     server.ServeConfig(read="paged")
+
+
+def test_the_engine_knobs_are_serve_config_keys(model_dir):
+  """ServeConfig.engine (launchers/serve.py --kv_dtype, --min_pack_rows, --min_window_tokens) reaches the engine;
+  what build_engine sets itself, or a bad value, is refused before anything loads."""
+  knobs = {"kv_dtype": "bfloat16", "min_pack_rows": 4, "min_window_tokens": 32}
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, engine=knobs))
+  e = js_engine.engine
+  assert (e.ecfg.kv_dtype, e.ecfg.min_pack_rows, e.ecfg.min_window_tokens) == ("bfloat16", 4, 32)
+  assert e.state.cache.k_LPSKH.dtype == jnp.bfloat16 and e.cfg.dtype == "float32"
+  with pytest.raises(ValueError, match=r"engine options \['n_slots'\]: serving sets"):
+    server.ServeConfig(engine={"n_slots": 4})
+  with pytest.raises(ValueError, match="min_pack_rows=1 must be >= 2"):
+    server.ServeConfig(engine={"min_pack_rows": 1})
 
 
 def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxrl_topo.rollout.host_state import _pow2
 from jaxrl_topo.rollout.sampling import SamplingConfig
@@ -72,3 +74,15 @@ class EngineConfig:
   def chunk_capacity(self) -> int:
     """Rows of a chunk's outputs: the longest chunk the engine dispatches (every length runs one program)."""
     return max(self.decode_chunk, self.tail_steps, self.max_chunk)
+
+
+def engine_options(options: Mapping[str, Any] | None, set_by_caller: Sequence[str], who: str) -> dict[str, Any]:
+  """`options` checked before any work: EngineConfig fields by name that `who` (generation, serving) leaves to its
+  user, i.e. none of `set_by_caller`; their values go through EngineConfig's own checks."""
+  options = dict(options or {})
+  free = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in set_by_caller]
+  unknown = sorted(set(options) - set(free))
+  if unknown:
+    raise ValueError(f"engine options {unknown}: {who} sets {list(set_by_caller)} itself; the others are {free}")
+  dataclasses.replace(EngineConfig(), **options)  # raises here, with the field's name, on a bad value
+  return options

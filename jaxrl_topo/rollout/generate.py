@@ -29,6 +29,7 @@ from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
+from jaxrl_topo.rollout.engine_config import engine_options
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -111,14 +112,8 @@ _SET_HERE = ("n_slots", "page_size", "n_pages", "max_len", "min_bucket", "sampli
 
 
 def engine_knobs(engine: Mapping[str, Any] | None) -> dict[str, Any]:
-  """`engine` checked before any work: EngineConfig field names that generation leaves to the caller."""
-  engine = dict(engine or {})
-  free = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SET_HERE]
-  unknown = sorted(set(engine) - set(free))
-  if unknown:
-    raise ValueError(f"engine options {unknown}: generation sets {list(_SET_HERE)} itself; the others are {free}")
-  dataclasses.replace(EngineConfig(), **engine)  # their own checks (EngineConfig.__post_init__), raised now
-  return engine
+  """`engine` checked before any work: EngineConfig fields that generation leaves to the caller."""
+  return engine_options(engine, _SET_HERE, "generation")
 
 
 def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size,

@@ -19,6 +19,8 @@ import threading
 
 import jax
 
+from jaxrl_topo.rollout.engine_config import engine_options
+
 INSTALL_HINT = "pip install -e '.[jetstream]'  (google-jetstream 0.2.2; it pulls TensorFlow, about 3 GB)"
 
 
@@ -70,6 +72,10 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# EngineConfig's fields that build_engine sets from a ServeConfig's own fields and the model directory
+_SERVE_SETS = ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "eos_ids", "pad_id", "sampling", "impl")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   slots: int = 16  # concurrent sequences (JetStream's max_concurrent_decodes)
@@ -85,6 +91,8 @@ class ServeConfig:
   seed: int = 0
   policy: str = "finish_on_old"  # how a hot weight swap lands
   read: str = "auto"  # the engine's paged decode read (EngineConfig.impl; rollout/paged.py)
+  # other EngineConfig knobs by name (kv_dtype, min_pack_rows, min_window_tokens, ...): not the ones set above
+  engine: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     from jaxrl_topo.rollout.paged import IMPLS
@@ -96,6 +104,7 @@ class ServeConfig:
       raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
     if self.slots % self.data:
       raise ValueError(f"slots={self.slots} must split over data={self.data}")
+    object.__setattr__(self, "engine", engine_options(self.engine, _SERVE_SETS, "serving"))
 
 
 def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
@@ -176,7 +185,8 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   max_len -= max_len % sc.page_size
   ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
                       max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
-                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature), impl=sc.read)
+                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature), impl=sc.read,
+                      **sc.engine)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, gen_id=gen_id, seed=sc.seed, mesh=mesh,
                          detokenize=tokenizer.decode if tokenizer else None)
   return JetStreamEngine(engine, tokenizer=tokenizer, max_new_tokens=sc.max_new_tokens, policy=sc.policy), tokenizer
