@@ -200,6 +200,7 @@ def test_the_engine_knobs_are_serve_config_keys(model_dir):
   e = js_engine.engine
   assert (e.ecfg.kv_dtype, e.ecfg.min_pack_rows, e.ecfg.min_window_tokens) == ("bfloat16", 4, 32)
   assert e.state.cache.k_LPSKH.dtype == jnp.bfloat16 and e.cfg.dtype == "float32"
+  hash(dataclasses.replace(SC, engine=knobs))  # a frozen config stays hashable
   with pytest.raises(ValueError, match=r"engine options \['n_slots'\]: serving sets"):
     server.ServeConfig(engine={"n_slots": 4})
   with pytest.raises(ValueError, match="min_pack_rows=1 must be >= 2"):

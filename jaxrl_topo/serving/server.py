@@ -16,6 +16,8 @@ import dataclasses
 import os
 import socket
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -91,8 +93,9 @@ class ServeConfig:
   seed: int = 0
   policy: str = "finish_on_old"  # how a hot weight swap lands
   read: str = "auto"  # the engine's paged decode read (EngineConfig.impl; rollout/paged.py)
-  # other EngineConfig knobs by name (kv_dtype, min_pack_rows, min_window_tokens, ...): not the ones set above
-  engine: dict = dataclasses.field(default_factory=dict)
+  # other EngineConfig knobs by name (kv_dtype, min_pack_rows, min_window_tokens, ...), not the ones set above: a
+  # mapping or (name, value) pairs, kept as sorted pairs (the config stays immutable and hashable)
+  engine: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     from jaxrl_topo.rollout.paged import IMPLS
@@ -104,7 +107,7 @@ class ServeConfig:
       raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
     if self.slots % self.data:
       raise ValueError(f"slots={self.slots} must split over data={self.data}")
-    object.__setattr__(self, "engine", engine_options(self.engine, _SERVE_SETS, "serving"))
+    object.__setattr__(self, "engine", tuple(sorted(engine_options(self.engine, _SERVE_SETS, "serving").items())))
 
 
 def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
@@ -186,7 +189,7 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
                       max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
                       sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature), impl=sc.read,
-                      **sc.engine)
+                      **dict(sc.engine))
   engine = RolloutEngine(graphdef, cfg, params, ecfg, gen_id=gen_id, seed=sc.seed, mesh=mesh,
                          detokenize=tokenizer.decode if tokenizer else None)
   return JetStreamEngine(engine, tokenizer=tokenizer, max_new_tokens=sc.max_new_tokens, policy=sc.policy), tokenizer
