@@ -20,7 +20,7 @@ define retry
 for attempt in 1 2 3; do if $(1); then break; fi; test $$attempt = 3 && exit 1; echo "install failed (attempt $$attempt of 3); retrying in 30 s"; sleep 30; done
 endef
 
-.PHONY: demo test test-fast test-readme test-jetstream lint install install-test clean
+.PHONY: demo test test-fast test-readme test-benchmarks test-jetstream lint install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,14 +53,19 @@ lint: $(VENV)/.test
 # otherwise idle; tests/conftest.py groups tests that share module fixtures onto one worker.
 PYTEST_WORKERS ?= 2
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme" --durations=30
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not readme and not benchmarks" --durations=30
 
 test-fast: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not readme"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not readme and not benchmarks"
 
 # Every command README.md shows, run as written on this CPU (tests/test_readme.py; about 9 minutes).
 test-readme: $(VENV)/.test
 	$(TEST_ENV) $(BIN)/python -m pytest -m readme tests/test_readme.py
+
+# Every CPU benchmark script at its smallest setting, in subprocesses (tests/test_benchmarks_run.py; about
+# 4 minutes): they run nowhere else, so without this they stop running unseen.
+test-benchmarks: $(VENV)/.test
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m benchmarks tests/test_benchmarks_run.py --durations=20
 
 # Serving through JetStream (an optional extra, about 3 GB with TensorFlow): its own venv, so the core
 # suite keeps proving that nothing needs it. pip's cache is shared with .venv's installs.
