@@ -5,7 +5,7 @@ flags the runners read; mux.py divided by zero at few steps). These runs check t
 does its work and writes its rows with the fields its RESULTS section quotes; they time nothing.
 `make test-benchmarks` (CI, after `make test`); not part of `make test` (about 5 minutes of subprocesses).
 Not here: tunix_compare.py (needs google-tunix, which the project does not install), serve.py (the
-JetStream extra: tests_jetstream), gpu_decode.sh (a GPU)."""
+JetStream extra: tests_jetstream/test_serve_benchmark.py), gpu_decode.sh (a GPU)."""
 
 from __future__ import annotations
 
