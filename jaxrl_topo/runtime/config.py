@@ -12,6 +12,7 @@ The ConfigDict of `configs/<name>.py` has one section per dataclass below:
   train     TrainSpec          packing, remat, where the log-prob pre-pass runs
   topology  TopologyConfig     the mode and each side's mesh axes (topology/carve.py)
   sync      SyncSpec           how the trainer's weights reach the rollout side (full | delta | lora, bucket size)
+  env       EnvSpec            multi-turn episodes: the environment, its workers and turn limits
   run       RunSpec            steps, evaluation, checkpoints, staleness bound, logging
 
 `from_config_dict` converts and validates every field before anything compiles: an unknown key is
