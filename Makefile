@@ -11,28 +11,19 @@ BIN := $(VENV)/bin
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 TEST_ENV := XLA_FLAGS="$(TEST_XLA_FLAGS)" JAX_PLATFORMS=cpu
 
-# Installs download a few GB (JetStream's TensorFlow wheel alone is 572 MB) and a dropped connection
-# must not fail a run: pip retries and resumes a broken download, and each install is retried whole
-# up to three times (wheels already downloaded come from pip's cache). PIP_NET needs pip >= 25.1, so
-# it is used only after the venv's pip is upgraded.
-PIP_NET := --retries 10 --timeout 60 --resume-retries 30
-define retry
-for attempt in 1 2 3; do if $(1); then break; fi; test $$attempt = 3 && exit 1; echo "install failed (attempt $$attempt of 3); retrying in 30 s"; sleep 30; done
-endef
+# Installs go through scripts/venv_install.sh: a dropped connection or a failed install is retried in a
+# new venv, up to three times, so no half-installed package is left to count as installed.
+INSTALL := scripts/venv_install.sh $(PYTHON)
 
 .PHONY: demo test test-fast test-readme test-benchmarks test-jetstream lint install install-test clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(call retry,$(BIN)/python -m pip install -q --retries 10 --timeout 60 --upgrade pip)
-
 # Stamps re-run the install whenever pyproject.toml changes.
-$(VENV)/.core: pyproject.toml | $(BIN)/python
-	$(call retry,$(BIN)/python -m pip install -q $(PIP_NET) -e .)
+$(VENV)/.core: pyproject.toml
+	$(INSTALL) $(VENV) -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(call retry,$(BIN)/python -m pip install -q $(PIP_NET) -e '.[test]')
+$(VENV)/.test: pyproject.toml
+	$(INSTALL) $(VENV) -e '.[test]'
 	touch $@ $(VENV)/.core
 
 install: $(VENV)/.core
@@ -70,11 +61,8 @@ test-benchmarks: $(VENV)/.test
 # Serving through JetStream (an optional extra, about 3 GB with TensorFlow): its own venv, so the core
 # suite keeps proving that nothing needs it. pip's cache is shared with .venv's installs.
 JS_VENV := .venv-jetstream
-JS_EXTRAS := '.[test,jetstream]'
 $(JS_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(JS_VENV)
-	$(call retry,$(JS_VENV)/bin/python -m pip install -q --retries 10 --timeout 60 --upgrade pip)
-	$(call retry,$(JS_VENV)/bin/python -m pip install -q $(PIP_NET) -e $(JS_EXTRAS))
+	$(INSTALL) $(JS_VENV) -e '.[test,jetstream]'
 	touch $@
 
 test-jetstream: $(JS_VENV)/.installed
