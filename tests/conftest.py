@@ -2,6 +2,7 @@
 
 import gc
 import os
+import shutil
 import tempfile
 
 from subproc import FAST_COMPILE
@@ -21,16 +22,27 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")  # fp32 parity tests mean fp32
 
 
+_CACHE_ENV = "JAXRL_TEST_XLA_CACHE"
+_OWNED_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
   # Many tests build a fresh jit of the same program (a train step per experiment); a session-wide
-  # persistent compilation cache turns those recompilations into disk hits. Fresh per session, and
-  # shared by the session's xdist workers (`make test` runs two).
-  run = getattr(config, "workerinput", {}).get("testrunuid")
-  cache = (os.path.join(tempfile.gettempdir(), f"jaxrl_test_xla_cache_{run}") if run
-           else tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_"))
+  # persistent compilation cache turns those recompilations into disk hits. Fresh per session and removed
+  # when it ends: the main process makes it and its xdist workers (`make test` runs two) inherit its path.
+  # A JAXRL_TEST_XLA_CACHE set by the user names a cache to keep across sessions instead.
+  cache = os.environ.get(_CACHE_ENV)
+  if not cache:
+    cache = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxrl_test_xla_cache_")
+    config.stash[_OWNED_CACHE] = cache
   os.makedirs(cache, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", cache)
   assert jax.device_count() == 8, f"conftest wants 8 fake CPU devices, got {jax.devices()}"
+
+
+def pytest_unconfigure(config):
+  if _OWNED_CACHE in config.stash:  # the process that made the session's cache, after its workers are done
+    shutil.rmtree(config.stash[_OWNED_CACHE], ignore_errors=True)
 
 
 # `make test` runs two xdist workers with --dist loadgroup. Whole files stay on one worker (their
