@@ -20,7 +20,10 @@ def _cfg(mode: str):
       "rl.group_size": 4, "rollout.n_slots": 16, "rollout.max_new_tokens": 48, "run.max_staleness": ETA[mode],
       "run.land_after_chunks": 1, "env.fn": "envs_for_tests:Chatty", "env.max_turns": 3, "env.n_workers": 1,
       # single-character stops end turns often, even for a barely trained model
-      "rollout.stop": ("1", "2", "3", "4", "</calc>")})
+      "rollout.stop": ("1", "2", "3", "4", "</calc>"),
+      # one decode batch per shard (its 8 slots): packing's other sizes are the engine tests' subject, and
+      # each is a program to compile
+      "rollout.min_pack_rows": 8})
   c.topology = TOPO[mode]
   return from_config_dict(c)
 

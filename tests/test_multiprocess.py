@@ -69,7 +69,8 @@ RL_FLAGS = {"topology.trainer.fsdp": 4, "topology.rollout.data": 2, "topology.ro
             "run.deterministic": True,  # the one-process reference takes the counter schedule too
             "run.checkpoint_every": 2, "run.sft_steps": 80, "run.sft_target_accuracy": 0.0, "data.batch_size": 4,
             "rl.group_size": 4, "rollout.n_slots": 16, "run.eval_every": 0, "run.eval_size": 32,
-            "reward.n_workers": 0, "run.tensorboard": False, "run.plot": False}
+            "reward.n_workers": 0, "run.tensorboard": False, "run.plot": False,
+            "rollout.min_pack_rows": 8}  # one decode batch per shard (8 slots): fewer programs to compile
 
 
 def _rl_launch(workdir, capfd) -> tuple[int, str]:

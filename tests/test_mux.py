@@ -28,6 +28,8 @@ TOPO = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2, "tens
 BASE = {"run.steps": STEPS, "run.eval_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
         "run.sft_steps": 10, "run.sft_target_accuracy": 0.0, "data.batch_size": 4, "rl.group_size": 4,
         "rollout.n_slots": 16, "run.deterministic": True,
+        # one decode batch per shard (8 slots): packing's other sizes are the engine tests' subject
+        "rollout.min_pack_rows": 8,
         # 24-token budgets in 8-step chunks: a rollout has a tail of several chunks for migration to move
         "rollout.max_new_tokens": 24, "rollout.decode_chunk": 2,
         # soft overlong shaping: rewards vary with the length, so advantages and gradients are not zero
