@@ -54,7 +54,7 @@ test-readme: $(VENV)/.test
 	$(TEST_ENV) $(BIN)/python -m pytest -m readme tests/test_readme.py
 
 # Every CPU benchmark script at its smallest setting, in subprocesses (tests/test_benchmarks_run.py; about
-# 4 minutes): they run nowhere else, so without this they stop running unseen.
+# 3.5 minutes): they run nowhere else, so without this they stop running unseen.
 test-benchmarks: $(VENV)/.test
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m benchmarks tests/test_benchmarks_run.py --durations=20
 
