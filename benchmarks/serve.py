@@ -62,23 +62,30 @@ def main() -> None:
   ap.add_argument("--port", type=int, default=0)
   args = ap.parse_args()
 
+  from jaxrl_topo.models.fresh import write_fresh_model
+  from jaxrl_topo.models.presets import get_preset
+
+  with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:  # the random model and the server's log
+    model = args.model
+    if model is None:
+      model = os.path.join(tmp, "model")
+      write_fresh_model(model, dataclasses.replace(get_preset(args.preset), tie_embeddings=False), seed=0)
+    with open(os.path.join(tmp, "server.log"), "w+") as log:
+      _serve_and_load(args, model, log)
+
+
+def _serve_and_load(args, model: str, log) -> None:
+  """Starts launchers/serve.py on `model`, warms it up, prints one row per client count, and stops it."""
   import jax
 
   from jaxrl_topo.models import hf_io
-  from jaxrl_topo.models.fresh import write_fresh_model
-  from jaxrl_topo.models.presets import get_preset
   from jaxrl_topo.serving import client, server
 
-  model = args.model
-  if model is None:
-    model = tempfile.mkdtemp(prefix="serve_bench_")
-    write_fresh_model(model, dataclasses.replace(get_preset(args.preset), tie_embeddings=False), seed=0)
   vocab = min(hf_io.read_config(model).vocab_size, 200)
   port = args.port or server.free_port()
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "serve.py"), f"--model={model}", f"--port={port}",
          f"--slots={args.slots}", f"--max_len={args.prompt_len + args.max_tokens + 32}",
          f"--max_new_tokens={args.max_tokens}"]
-  log = open(os.path.join(tempfile.mkdtemp(prefix="serve_log_"), "server.log"), "w+")  # noqa: SIM115
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
   try:
     stub = client.connect(port)
@@ -86,7 +93,7 @@ def main() -> None:
     run_clients(stub, 4, 8, args.prompt_len, args.max_tokens, vocab)  # warm-up: compiles every bucket
     for c in (int(x) for x in args.clients.split(",")):
       row = run_clients(stub, c, max(args.requests, 2 * c), args.prompt_len, args.max_tokens, vocab)
-      row.update(model=model if args.model else f"random {args.preset} (untied)", slots=args.slots,
+      row.update(model=args.model or f"random {args.preset} (untied)", slots=args.slots,
                  prompt_len=args.prompt_len, max_tokens=args.max_tokens, device=f"{jax.devices()[0].platform}",
                  jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
       print(json.dumps(row), flush=True)
@@ -101,7 +108,6 @@ def main() -> None:
       log.seek(0)
       print(log.read()[-6000:], file=sys.stderr)
       raise
-
 
 if __name__ == "__main__":
   main()

@@ -12,8 +12,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_serve_benchmark_runs_and_prints_a_row_per_client_count():
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}  # the server: one device
+def test_the_serve_benchmark_runs_and_prints_a_row_per_client_count(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,  # the server: one device
+         "TMPDIR": str(tmp_path)}  # where its random model and the server's log go, and must not stay
   cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "serve.py"), "--clients=1,2", "--requests=4",
          "--prompt_len=8", "--max_tokens=6", "--slots=4"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -23,3 +24,4 @@ def test_the_serve_benchmark_runs_and_prints_a_row_per_client_count():
   for r in rows:  # each request returns at least its first token and at most --max_tokens
     assert r["requests"] == 4 and 4 <= r["tokens"] <= 4 * 6 and r["requests_per_s"] > 0
     assert r["latency_p50_s"] <= r["latency_p99_s"]
+  assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("serve_")], "the benchmark left its temp files"
