@@ -125,16 +125,21 @@ def _want_traceback() -> bool:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, except that an error raised by a config file's get_config (a bad `:ARG`) is one
-  line, not ml-collections' whole traceback under 'FATAL Flags parsing error'."""
+  """absl's flag parsing, except that its errors are one line with status 2: a value of the wrong type
+  (`--config.run.steps=abc`), an unknown flag, a config file's get_config refusing its `:ARG` (not
+  ml-collections' whole traceback under 'FATAL Flags parsing error'). absl's own fallback parses again, and
+  ml-collections' override flags, defined during the first parse, then fail as 'defined twice', which hid
+  the real error; so nothing is parsed twice here."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    if _want_traceback():
+      raise
     text = str(e).strip()
-    if "Error whilst parsing config file" not in text or _want_traceback():
-      return app.parse_flags_with_usage(argv)  # absl's own report ('FATAL Flags parsing error', status 1)
-    flag = next((a for a in argv[1:] if a.startswith(("--config=", "-config="))), "--config")
-    print(f"error: {flag}: {text.splitlines()[-1]}\n(run with --traceback to see where it was raised)",
+    if "Error whilst parsing config file" in text:
+      flag = next((a for a in argv[1:] if a.startswith(("--config=", "-config="))), "--config")
+      text = f"{flag}: {text.splitlines()[-1]}"
+    print(f"error: {text}\n(--helpfull lists every flag; run with --traceback to see where it was raised)",
           file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 

@@ -69,12 +69,13 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--config is required, e.g. --config=configs/grpo_task.py:tiny")
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
-  from jaxrl_topo.runtime.workdir import check_data, check_workdir, start_over
+  from jaxrl_topo.runtime.workdir import check_data, check_not_a_model, check_workdir, start_over
 
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
   check_data(cfg)  # the prompts build: a bad task or data file fails before the workdir is touched
   workdir, fresh = _WORKDIR.value, _FRESH.value or cfg.run.fresh
+  check_not_a_model(cfg, workdir)  # a model directory is refused, --fresh or not
   if not fresh:
     check_workdir(cfg, workdir)  # before config.json is overwritten
   distributed.initialize()

@@ -95,6 +95,30 @@ def test_a_bad_config_argument_is_one_line(tmp_path):
   assert r.stderr.startswith("error: --config=configs/grpo_task.py:tinny: ValueError: unknown preset 'tinny'")
 
 
+def test_a_value_of_the_wrong_type_is_one_line(tmp_path):
+  """Before: 'FATAL Flags parsing error: The flag 'config.run.steps' is defined twice', status 1: absl parsed the
+  flags a second time to report the error, and ml-collections' override flags then clashed, hiding it."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.run.sft_steps=5", "--config.run.steps=abc")
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "defined twice" not in r.stderr, r.stderr
+  assert r.stderr.startswith("error: flag --config.run.steps=abc: invalid literal for int()"), r.stderr
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
+  """Before: the launch overwrote the model's config.json with the run's (and --fresh, or a launch that then
+  failed, deleted it), leaving a model that no longer loads."""
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text('{"model_type": "llama"}')
+  (model / "tokenizer.json").write_text("{}")
+  for extra in ((), ("--fresh",)):
+    r = _train(TINY, f"--workdir={model}", *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "holds tokenizer.json: a model directory" in r.stderr, r.stderr
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (model / "config.json").read_text() == '{"model_type": "llama"}'
+
+
 def test_invalid_value_without_then_with_traceback(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_size=1")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

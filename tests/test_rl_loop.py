@@ -202,6 +202,34 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     assert ck.latest_step() == 6
 
 
+@pytest.mark.parametrize("key,value,says", [
+    ("run.log_every", 0, "run.log_every=0 must be >= 1"),  # before: ZeroDivisionError after the first step
+    ("run.sft_eval_every", 0, "run.sft_eval_every=0 must be >= 1"),  # before: ZeroDivisionError in the warm-up
+    ("run.sft_batch", 0, "run.sft_batch=0 must be >= 1"),  # before: ZeroDivisionError inside JAX
+    ("run.keep_checkpoints", 0, "run.keep_checkpoints=0 must be >= 1"),  # before: after config.json was written
+    ("run.checkpoint_every", -1, "run.checkpoint_every=-1 must be >= 0"),  # before: a checkpoint every step
+    ("run.sft_target_accuracy", 5.0, "run.sft_target_accuracy=5.0 must be in [0, 1]"),
+    ("run.sft_lr", -1.0, "run.sft_lr=-1.0 must be > 0"),
+    ("run.profile_step", -2, "run.profile_step=-2 must be >= 0"),
+    ("rl.kl_coef", -1.0, "LossConfig.kl_coef=-1.0 must be >= 0"),
+    ("rl.gamma", 5.0, "LossConfig.gamma=5.0 must be in [0, 1]"),
+    ("rl.is_cap", 0.0, "LossConfig.is_cap=0.0 must be > 0"),
+    ("optim.weight_decay", -1.0, "OptimConfig.weight_decay=-1.0 must be >= 0"),
+    ("optim.final_lr_frac", 5.0, "OptimConfig.final_lr_frac=5.0 must be in [0, 1]"),
+    ("lora.rank", -1, "LoraConfig.rank=-1 must be >= 0"),
+    ("reward.error_score", float("nan"), "reward.error_score=nan must be a finite number"),
+    ("rollout.stop", (1, 2), "rollout.stop[0] must be str, got int 1"),  # before: a TypeError's traceback
+])
+def test_values_out_of_range_are_refused_naming_the_key(key, value, says):
+  """Values a run cannot mean, found by a new user's trial: each was accepted, or failed late with a traceback."""
+  raw = load_config("grpo_task", "tiny").to_dict()
+  section, name = key.split(".")
+  raw[section][name] = value
+  with pytest.raises(ValueError) as err:
+    from_config_dict(raw)
+  assert says in str(err.value)
+
+
 def test_config_typos_are_rejected_with_a_suggestion():
   c = load_config("grpo_task", "tiny")
   with pytest.raises(AttributeError, match="group_size"):
@@ -212,7 +240,7 @@ def test_config_typos_are_rejected_with_a_suggestion():
     from_config_dict(raw)
   raw = c.to_dict()
   raw["rollout"]["max_new_tokens"] = "many"
-  with pytest.raises(TypeError, match="rollout.max_new_tokens must be int"):
+  with pytest.raises(ValueError, match="rollout.max_new_tokens must be int"):  # a user's error: one line
     from_config_dict(raw)
   raw = c.to_dict()
   raw["topology"]["mode"] = "colocted"

@@ -124,3 +124,34 @@ def test_a_script_whose_run_cannot_start_leaves_nothing_behind(tmp_path):
     run_lib.train(from_config_dict(_config(**{"data.task.length": 3})), str(work), progress=False)
   assert not [p.name for p in work.iterdir() if p.name in workdir.RUN_FILES]
   workdir.check_workdir(from_config_dict(_config()), str(work))
+
+
+def test_a_model_directory_is_no_workdir(tmp_path):
+  """The model's own directory, or one holding a model's files or a config.json that is not a run's, is refused
+  (a run writes config.json there; --fresh deletes it); a run's own config.json passes."""
+  model = tmp_path / "m"
+  model.mkdir()
+  (model / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+  with pytest.raises(ValueError, match="is model.hf_dir"):
+    workdir.check_not_a_model(from_config_dict(_config(**{"model.hf_dir": str(model)})), str(model))
+  with pytest.raises(ValueError, match=r"holds config.json \(not a run's\)"):
+    workdir.check_workdir(from_config_dict(_config()), str(model))
+  (model / "model.safetensors").write_bytes(b"")
+  with pytest.raises(ValueError, match="holds model.safetensors: a model directory"):
+    workdir.check_workdir(from_config_dict(_config()), str(model))
+  with pytest.raises(ValueError, match="is a file"):
+    workdir.check_workdir(from_config_dict(_config()), str(model / "model.safetensors"))
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(_config().to_json(indent=2))
+  workdir.check_workdir(from_config_dict(_config()), str(run))
+
+
+def test_a_checkpoint_past_run_steps_is_refused_before_anything_is_written(tmp_path):
+  """Before: a relaunch with run.steps below the newest checkpoint built the run, evaluated, overwrote
+  config.json, then failed with 'start_step must be in [0, total_steps=1], got 2'."""
+  work = tmp_path / "w"
+  _fake_run(work, _config())  # checkpoint 4
+  with pytest.raises(ValueError, match=r"checkpoint at step 4, past run.steps=3: raise run.steps"):
+    workdir.check_workdir(from_config_dict(_config(**{"run.steps": 3})), str(work))
+  workdir.check_workdir(from_config_dict(_config(**{"run.steps": 4})), str(work))  # finished: resumes, trains none

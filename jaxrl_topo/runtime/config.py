@@ -29,7 +29,7 @@ from jaxrl_topo.data.pipeline import PromptDataConfig
 from jaxrl_topo.rollout.engine_config import KV_DTYPES, UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.dataclass_io import build_dataclass, config_defaults, plain
+from jaxrl_topo.runtime.dataclass_io import build_dataclass, check_ranges, config_defaults, plain
 from jaxrl_topo.topology.carve import TopologyConfig
 from jaxrl_topo.train.config import LoraConfig, LossConfig, OptimConfig, TrainConfig
 
@@ -189,6 +189,7 @@ class RewardSpec:
       raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
     if not 0 <= self.max_error_frac <= 1 or self.max_error_steps < 0:
       raise ValueError("reward: 0 <= max_error_frac <= 1, max_error_steps >= 0")
+    check_ranges("reward", self, error_score="finite", model_weight="finite", overlong_penalty="finite")
 
   @property
   def fns(self) -> tuple[tuple[str, float], ...]:
@@ -229,8 +230,12 @@ class RunSpec:
   sft_batch: int = 64
 
   def __post_init__(self):
-    if self.steps < 0 or self.n_micro < 1 or self.max_staleness < 0 or self.land_after_chunks < 1:
-      raise ValueError("run: steps >= 0, n_micro >= 1, max_staleness >= 0, land_after_chunks >= 1")
+    check_ranges("run", self, steps=">=0", n_micro=">=1", max_staleness=">=0", land_after_chunks=">=1",
+                 eval_every=">=0", eval_size=">=0", checkpoint_every=">=0", keep_checkpoints=">=1", log_every=">=1",
+                 sft_steps=">=0", sft_target_accuracy="0..1", sft_eval_every=">=1", sft_dev_size=">=1", sft_lr=">0",
+                 sft_batch=">=1")
+    if self.profile_step < -1:
+      raise ValueError(f"run.profile_step={self.profile_step} must be >= 0 (a step to trace) or -1 (none)")
 
 
 SYNC_MODES = ("full", "delta", "lora")
@@ -273,6 +278,7 @@ class EnvSpec:
   def __post_init__(self):
     if self.max_turns < 1 or self.n_workers < 0 or not self.timeout_s > 0:
       raise ValueError("env: max_turns >= 1, n_workers >= 0, timeout_s > 0")
+    check_ranges("env", self, error_score="finite")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ Generic over any dataclass whose fields are plain types, tuples, dicts, unions o
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -63,7 +64,7 @@ def build_dataclass(cls, value: Any, where: str):
   """`cls(**value)` with every key checked (typos get a suggestion) and every field type-checked."""
   value = plain(value)
   if not isinstance(value, dict):
-    raise TypeError(f"{where} must be a section (dict), got {type(value).__name__}")
+    raise ValueError(f"{where} must be a section (dict), got {type(value).__name__}")
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls) if f.init]
   kwargs = {}
@@ -77,7 +78,10 @@ def build_dataclass(cls, value: Any, where: str):
     if sub and isinstance(v, dict):
       kwargs[key] = build_dataclass(sub[0], v, f"{where}.{key}")
     else:
-      kwargs[key] = _check_type(v, hint, f"{where}.{key}")
+      try:
+        kwargs[key] = _check_type(v, hint, f"{where}.{key}")
+      except TypeError as e:  # a value of the wrong type is the user's error: one line, like a bad value
+        raise ValueError(str(e)) from None
   try:
     return cls(**kwargs)
   except TypeError as e:  # a missing required field
@@ -108,3 +112,17 @@ def config_defaults(cls, **required) -> dict:
     elif f.default_factory is not dataclasses.MISSING:
       out[f.name] = f.default_factory()
   return out
+
+
+_RANGES = {">=0": (lambda v: v >= 0, ">= 0"), ">=1": (lambda v: v >= 1, ">= 1"), ">0": (lambda v: v > 0, "> 0"),
+           "0..1": (lambda v: 0 <= v <= 1, "in [0, 1]"), "finite": (math.isfinite, "a finite number")}
+
+
+def check_ranges(where: str, obj, **rules: str) -> None:
+  """Raises ValueError naming `where.field` for the first field outside its rule (">=0", ">=1", ">0", "0..1",
+  "finite"); None passes (an optional setting left off). NaN fails every rule."""
+  for name, rule in rules.items():
+    value = getattr(obj, name)
+    test, text = _RANGES[rule]
+    if value is not None and not test(value):
+      raise ValueError(f"{where}.{name}={value!r} must be {text}")

@@ -64,11 +64,52 @@ def recorded_identity(workdir: str) -> dict | None:
   return None
 
 
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "tokenizer.json")  # a model directory's
+
+
+def check_not_a_model(cfg: RunConfig, workdir: str) -> None:
+  """Raises ValueError when `workdir` is the run's model or reward model directory, or holds a model's files
+  or a config.json that is not a run's: a run writes config.json there, and --fresh or a failed first launch
+  deletes it (RUN_FILES), so such a directory is refused before anything is written."""
+  if os.path.isfile(workdir):
+    raise ValueError(f"--workdir {workdir} is a file: name a directory (made if missing)")
+  real = os.path.realpath(workdir)
+  for key, d in (("model.hf_dir", cfg.model.hf_dir), ("reward.model_dir", cfg.reward.model_dir)):
+    if d is not None and os.path.realpath(d) == real:
+      raise ValueError(f"--workdir {workdir} is {key}: a run writes its own config.json there; use another --workdir")
+  found = [n for n in MODEL_FILES if os.path.exists(os.path.join(workdir, n))]
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not found and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+    except (OSError, ValueError):
+      saved = None
+    if not (isinstance(saved, dict) and "run" in saved and "model" in saved):
+      found = [CONFIG_FILE + " (not a run's)"]
+  if found:
+    raise ValueError(f"--workdir {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
+                     "changed. Use another --workdir (a run writes its own config.json there)")
+
+
+def latest_checkpoint_step(workdir: str) -> int | None:
+  """The newest complete checkpoint's step in `workdir` (orbax names a finished one by its step), or None."""
+  ckpts = os.path.join(workdir, "checkpoints")
+  steps = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+  return max(steps, default=None)
+
+
 def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True) -> None:
-  """Raises ValueError, naming the differences, when `workdir` holds another run; nothing is changed. A run
-  with no record (`train()` before identity.json) is refused when `need_record`, else trusted."""
+  """Raises ValueError, naming the differences, when `workdir` is a model directory (`check_not_a_model`) or
+  holds another run, or a checkpoint past `run.steps`; nothing is changed. A run with no record (`train()`
+  before identity.json) is refused when `need_record`, else trusted."""
+  check_not_a_model(cfg, workdir)
   if not has_run(workdir):
     return
+  latest = latest_checkpoint_step(workdir)
+  if latest is not None and latest > cfg.run.steps:
+    raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past run.steps={cfg.run.steps}: raise "
+                     "run.steps to continue this run, or use a new --workdir (or --fresh); nothing was changed")
   old = recorded_identity(workdir)
   if old is None:
     if need_record:

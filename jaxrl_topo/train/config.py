@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_topo.runtime.dataclass_io import check_ranges
+
 SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
@@ -36,6 +38,7 @@ class OptimConfig:
                        f"{self.warmup_steps=}")
     if self.warmup_steps < 0 or self.max_grad_norm < 0:
       raise ValueError("OptimConfig.warmup_steps and max_grad_norm must be >= 0")
+    check_ranges("OptimConfig", self, final_lr_frac="0..1", b1="0..1", b2="0..1", eps=">0", weight_decay=">=0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +87,8 @@ class LossConfig:
       raise ValueError("clip_low/clip_high must be >= 0 and dual_clip > 1")
     if not self.temperature > 0 or self.logprob_chunk <= 0:
       raise ValueError("temperature must be > 0 and logprob_chunk positive")
+    check_ranges("LossConfig", self, kl_coef=">=0", entropy_coef=">=0", is_cap=">0", is_mask_low=">=0",
+                 is_mask_high=">0", value_coef=">=0", value_clip=">=0", gamma="0..1", lam="0..1")
 
   @property
   def needs_ref(self) -> bool:
@@ -97,6 +102,11 @@ class LoraConfig:
   rank: int = 0
   alpha: float = 16.0
   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+  def __post_init__(self):
+    check_ranges("LoraConfig", self, rank=">=0", alpha=">0")
+    if self.rank > 0 and not self.targets:
+      raise ValueError("LoraConfig.targets is empty: name the projections to adapt (q_proj, ...) or set rank 0")
 
   @property
   def enabled(self) -> bool:
