@@ -30,9 +30,10 @@ _COLOC_TRAINER = flags.DEFINE_string("colocated_trainer", None, "Trainer axes fo
 _COLOC_ROLLOUT = flags.DEFINE_string("colocated_rollout", None, "Rollout axes for the colocated check (default "
                                      "--rollout).")
 _PRESET = flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Model shape (random weights).")
-_KV_HEADS = flags.DEFINE_integer("n_kv_heads", None, "Override the preset's kv heads (e.g. so tensor=4 divides).")
+_KV_HEADS = flags.DEFINE_integer("n_kv_heads", None, "Override the preset's kv heads (e.g. so tensor=4 divides).",
+                                 lower_bound=1)
 _BUCKET_MB = flags.DEFINE_float("bucket_mb", 64, "Transfer bucket size in MiB.")
-_VERSIONS = flags.DEFINE_integer("versions", 2, "Weight versions to sync (gen_id 1..N).")
+_VERSIONS = flags.DEFINE_integer("versions", 2, "Weight versions to sync (gen_id 1..N).", lower_bound=1)
 _COORD = flags.DEFINE_string("coordinator", None, "host:port of process 0 (explicit multi-process set-up).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Processes in the job (explicit set-up).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (explicit set-up).")
@@ -40,9 +41,13 @@ _PID = flags.DEFINE_integer("process_id", None, "This process's index (explicit 
 
 def _axes(spec: str) -> dict[str, int]:
   try:
-    return {k: int(v) for k, v in (part.split("=") for part in spec.split(",") if part)}
+    pairs = [(k, int(v)) for k, v in (part.split("=") for part in spec.split(",") if part)]
   except ValueError:
     raise app.UsageError(f"mesh axes {spec!r}: expected name=size[,name=size]") from None
+  names = [k for k, _ in pairs]
+  if len(set(names)) < len(names):
+    raise app.UsageError(f"mesh axes {spec!r}: an axis is named twice")
+  return dict(pairs)
 
 
 def main(argv: Sequence[str]) -> None:

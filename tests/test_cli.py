@@ -119,6 +119,21 @@ def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
     assert (model / "config.json").read_text() == '{"model_type": "llama"}'
 
 
+@pytest.mark.parametrize("script,args,says", [
+    ("review.py", ["--n_devices=0"], "error: flag --n_devices=0: must be > 0"),  # before: accepted (-4 refused)
+    ("review.py", ["--device_memory_gb=-3"], "error: flag --device_memory_gb=-3.0: must be > 0"),
+    ("sync_check.py", ["--versions=0"], "error: flag --versions=0: 0 is not a positive integer"),  # checked nothing
+    ("sync_check.py", ["--trainer=fsdp=1,fsdp=1"], "an axis is named twice"),
+])
+def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says):
+  out = tmp_path / "rv"
+  review = [f"--out={out}", "--config=configs/grpo_task.py:tiny"] if script == "review.py" else []
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", script), *review, *args],
+                     capture_output=True, text=True, cwd=ROOT, timeout=120, env=_env())
+  assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert not out.exists()
+
+
 def test_invalid_value_without_then_with_traceback(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.rl.group_size=1")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
