@@ -6,13 +6,14 @@
   python launchers/mux.py --plan=TRACE.jsonl          # print the placement of a trace; nothing runs
 
 Every job is an ordinary config file (`path:arg`), run in `<workdir>/<job id>` (job ids: `0-grpo_task`,
-`1-dapo`, ...) as a disaggregated, strictly on-policy run (eta = 0). `--config.a.b=v` applies to every job;
-a job's own overrides follow its config, comma-separated (`--job=configs/dapo.py:tiny,run.seed=3,rl.group_size=8`;
-a value cannot hold a comma). All jobs must carve the same pools (same topology). Every job is checked
-before anything is written (config, prompts, whether its subfolder holds another run: `mux.jobs.check_job`); a
-job failing those stops the launch. A job that fails while running is reported with its id; the others go on.
-`<workdir>` gets mux_spans.jsonl (every phase, with its job id), mux_summary.json (per job: ok/error and steps;
-per pool: busy fraction) and mux_timeline.png. Each job
+`1-dapo`, ...) as a disaggregated, strictly on-policy run (eta = 0; a job's topology.mode=async is run so, with
+a note saying it). `--config.a.b=v` applies to every job; a job's own overrides follow its config,
+comma-separated (`--job=configs/dapo.py:tiny,run.seed=3,rl.group_size=8`; a value cannot hold a comma). All
+jobs must carve the same pools (same topology). Every job is checked before anything is written (config,
+prompts, whether its subfolder holds another run: `mux.jobs.check_job`; then the group's host memory and
+devices: `Group.admit`); a job failing those stops the launch. A job that fails while running is reported
+with its id; the others go on. `<workdir>` gets mux_spans.jsonl (every phase, with its job id),
+mux_summary.json (per job: ok/error and steps; per pool: busy fraction) and mux_timeline.png. Each job
 checkpoints every `run.checkpoint_every` steps and at its end; running the launcher again on the same
 workdir resumes every job from its newest checkpoint (a finished job has nothing left to do).
 """
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxrl_topo import cli
-from jaxrl_topo.mux.jobs import check_job, parse_job, split_overrides
+from jaxrl_topo.mux.jobs import check_job, mode_notice, parse_job, split_overrides
 
 _JOB = flags.DEFINE_multi_string("job", [], "A job: config file[:arg][,key=value,...] (repeat per job).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Group directory: one subfolder per job, plus the group's spans.")
@@ -34,6 +35,25 @@ _HOST_GB = flags.DEFINE_float("host_memory_gb", 64.0, "mux.host_memory_gb: host 
 _MIGRATE_AT = flags.DEFINE_float("migrate_at", 0.8, "mux.migrate_at: pass the rollout turn on at this fraction done.")
 _RESIZE = flags.DEFINE_bool("resize", True, "mux.resize: a rollout that starts beside another job's tail runs on the "
                             "shards the tail leaves free (ignored with run.deterministic).")
+
+
+def checked_group(workdir: str):
+  """(Group, {job id: ConfigDict}): every job parsed and checked (a one-line error names the first that fails),
+  then the group admitted (host memory, devices, same pools), all before anything is written."""
+  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+
+  specs, configs = [], {}
+  for i, spec in enumerate(_JOB.value):
+    jid, config = parse_job(spec, COMMON, i)
+    configs[jid] = config
+    jobdir = os.path.join(workdir, jid)
+    specs.append(JobSpec(jid, check_job(jid, config, jobdir), jobdir))
+    if note := mode_notice(jid, specs[-1].cfg):
+      print(note, file=sys.stderr)
+  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value,
+                                   resize=_RESIZE.value), workdir, checkpoints=True)
+  group.admit()
+  return group, configs
 
 
 def main(argv: Sequence[str]) -> None:
@@ -47,21 +67,13 @@ def main(argv: Sequence[str]) -> None:
   if not _JOB.value or not _WORKDIR.value:
     raise app.UsageError("give --job (one per job) and --workdir, or --plan=TRACE.jsonl")
   from jaxrl_topo.mux import report
-  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.metrics import MetricsWriter
   from jaxrl_topo.runtime.workdir import write_identity
 
   workdir = _WORKDIR.value
-  specs, configs = [], {}
-  for i, spec in enumerate(_JOB.value):
-    jid, config = parse_job(spec, COMMON, i)
-    configs[jid] = config
-    jobdir = os.path.join(workdir, jid)
-    specs.append(JobSpec(jid, check_job(jid, config, jobdir), jobdir))  # every job checked before any is written
-  group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value,
-                                   resize=_RESIZE.value), workdir,
-                checkpoints=True)
+  group, configs = checked_group(workdir)
+  specs = [job.spec for job in group.jobs.values()]
   for s in specs:
     run.save_config(configs[s.job_id], s.workdir)
     write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused

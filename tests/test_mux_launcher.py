@@ -11,7 +11,7 @@ import pytest
 from subproc import cpu_env
 
 from jaxrl_topo.cli import UserError
-from jaxrl_topo.mux.jobs import check_job, parse_job, split_overrides
+from jaxrl_topo.mux.jobs import check_job, mode_notice, parse_job, split_overrides
 from jaxrl_topo.mux.report import read_spans
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,10 +63,78 @@ def test_the_launcher_writes_nothing_when_a_later_job_fails_its_checks(tmp_path)
   written, not even job 0's config (before: job 0's config.json and identity.json were written first)."""
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py:tiny",
          f"--job={CONFIGS}/dapo.py:tiny,data.task.length=3", f"--workdir={tmp_path / 'group'}"]
-  out = subprocess.run(cmd, env=cpu_env(2), capture_output=True, text=True, timeout=300)
+  out = subprocess.run(cmd, env=cpu_env(2, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
   assert out.returncode != 0 and "job 1-dapo: " in out.stderr and "only 216 distinct prompts" in out.stderr, out.stderr
   assert "Traceback" not in out.stderr, out.stderr[-3000:]
   assert not (tmp_path / "group").exists() or not any((tmp_path / "group").rglob("*")), list(tmp_path.rglob("*"))
+
+
+def _launch(tmp_path, *args, devices=2):
+  """The launcher as a user runs it, on `devices` CPU devices; its workdir is `tmp_path/group`."""
+  cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), *args, f"--workdir={tmp_path / 'group'}"]
+  return subprocess.run(cmd, env=cpu_env(devices, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+
+
+def _refused(out, tmp_path, line: str) -> None:
+  """A one-line user error (status 2, no traceback) and nothing written."""
+  assert out.returncode == 2 and f"error: {line}\n" in out.stderr, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "group").exists(), list(tmp_path.rglob("*"))
+
+
+def test_too_few_devices_are_refused_with_the_xla_flags_hint_before_anything_is_written(tmp_path):
+  """One CPU device, a group that runs each job disaggregated (1 + 1 devices): train.py's one line and hint (cli.
+  device_hint), before any file is written (before: the job folder, mux_spans.jsonl and mux_summary.json were
+  written, the ValueError traceback printed twice, then an orbax traceback at interpreter shutdown)."""
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", devices=1)
+  _refused(out, tmp_path, "mux: job 0-grpo_task: disaggregated topology needs 2 devices: trainer 1 + rollout 1; "
+           "only 1 exist")
+  assert "hint: on a CPU" in out.stderr and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in out.stderr
+  assert len(out.stderr.strip().splitlines()) == 3, out.stderr  # the error, the hint, --traceback's line
+
+
+def test_jobs_that_carve_different_pools_are_refused_before_anything_is_written(tmp_path):
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny",
+                f"--job={CONFIGS}/grpo_task.py:tiny,topology.mode=disaggregated,topology.rollout.data=2", devices=4)
+  _refused(out, tmp_path, "mux: job 1-grpo_task uses pools {'train': [0], 'rollout': [1, 2]}, job 0-grpo_task "
+           "{'train': [0], 'rollout': [1]}: every job of a group needs the same topology (set --config.topology.* "
+           "for all jobs)")
+
+
+def test_a_job_that_fails_its_build_is_reported_once_and_its_checkpointer_closed(tmp_path):
+  """A failure only the build finds (the rollout mesh does not divide the vocabulary): its traceback once (the
+  group was built twice when every job failed), and no orbax 'cannot schedule new futures after interpreter
+  shutdown' traceback (its Checkpointer was left open)."""
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", "--config.topology.mode=disaggregated",
+                "--config.topology.rollout.tensor=3", devices=4)
+  assert out.returncode == 2 and out.stderr.rstrip().endswith(
+      "error: every job failed\n(run with --traceback to see where it was raised)"), out.stderr[-3000:]
+  assert out.stderr.count("mux: job 0-grpo_task failed") == 1, out.stderr
+  assert "cannot schedule new futures" not in out.stderr and "does not divide" in out.stdout
+
+
+def test_an_async_job_is_run_disaggregated_with_a_note(tmp_path):
+  """The group runs every job disaggregated and on-policy (README); a job that asked for async says so in a
+  line of its own (before: silently). Job 1 then fails its checks: nothing is written."""
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny,topology.mode=async",
+                f"--job={CONFIGS}/dapo.py:tiny,data.task.length=3")
+  assert ("note: job 0-grpo_task: topology.mode=async runs disaggregated in a mux group, strictly on-policy "
+          "(run.max_staleness=1 -> 0)\n") in out.stderr, out.stderr
+  _refused(out, tmp_path, "job 1-dapo: " + out.stderr.split("error: job 1-dapo: ", 1)[-1].split("\n", 1)[0])
+  assert "only 216 distinct prompts" in out.stderr
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", [], 0)
+  assert mode_notice("0-grpo_task", check_job("0-grpo_task", c, str(tmp_path / "x"))) is None  # colocated: quiet
+
+
+def test_a_misspelt_key_is_named_with_the_nearest_one_as_train_py_does(tmp_path):
+  """`--config.run.stpes=3` or a job's `,run.stpes=3`: train.py's words, not ml-collections' repr of the section
+  (FieldReference addresses and all)."""
+  hint = "no config key 'stpes'. Did you mean \"steps\" instead of \"stpes\"?"
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", "--config.run.stpes=3")
+  _refused(out, tmp_path, f"--config.run.stpes=3: {hint}")
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", f"--job={CONFIGS}/dapo.py:tiny,run.stpes=3")
+  _refused(out, tmp_path, f"job 1-dapo: override 'run.stpes=3': {hint}")
+  assert "FieldReference" not in out.stderr
 
 
 @pytest.mark.slow
@@ -77,7 +145,7 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py:tiny",
          f"--job={CONFIGS}/dapo.py:tiny,run.seed=3,reward.fn=reward_fns_for_tests:raises",
          f"--workdir={tmp_path}", *[f"--config.{k}={v}" for k, v in common.items()]]
-  env = cpu_env(2, PYTHONPATH=os.path.join(ROOT, "tests"))
+  env = cpu_env(2, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # this checkout's package
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "0-grpo_task: 3 steps" in out.stdout and "1-dapo: FAILED" in out.stdout, out.stdout

@@ -120,8 +120,45 @@ def test_trace_file_round_trip_and_errors(tmp_path):
   assert "a: new -> group 0 (+$3.00/h)" in text and "b: pack -> group 0 (+$0.00/h)" in text
   assert text.endswith("total $3.00/h for 2 jobs in 1 groups")
   path.write_text(json.dumps({"job": "a", "rollout_s": 1.0, "train_s": 1.0, "rollot_nodes": 2}) + "\n")
-  with pytest.raises(ValueError, match=r"trace.jsonl:1: unknown keys \['rollot_nodes'\]"):
+  with pytest.raises(ValueError, match=r"trace.jsonl:1: job 'a': unknown keys \['rollot_nodes'\]; .* \(or host_gb\)"):
     pl.load_trace(str(path))
+
+
+@pytest.mark.parametrize("line, error", [
+    ({"job": "a", "rollout_s": 1.0}, "job 'a': missing 'train_s' (required: job, rollout_s, train_s)"),
+    ({"job": "a", "rollout_s": "x", "train_s": 1.0}, "job 'a': rollout_s=\"x\" must be a number"),
+    ({"job": "a", "rollout_s": 1.0, "train_s": 1.0, "rollout_nodes": 1.5}, "job 'a': rollout_nodes=1.5 must be an "
+     "integer"),
+    ({"job": "a", "rollout_s": 1.0, "train_s": 1.0, "host_gb": "8"}, "job 'a': host_gb=\"8\" must be a number"),
+    ({"job": "a", "rollout_s": 0.0, "train_s": 1.0}, "job a: rollout_s and train_s must be > 0, sync_s >= 0"),
+    ({"rollout_s": 1.0, "train_s": 1.0}, "missing 'job' (required: job, rollout_s, train_s)"),
+    ({"cluster": {"switch_s": None}}, "cluster: switch_s=null must be a number"),
+    ([1.0], "expected a JSON object"),
+])
+def test_a_bad_trace_line_is_named_by_file_line_job_and_key(tmp_path, line, error):
+  path = tmp_path / "trace.jsonl"
+  path.write_text(json.dumps({"job": "ok", "rollout_s": 1, "train_s": 2, "rollout_nodes": 2.0}) + "\n" +
+                  json.dumps(line) + "\n")
+  with pytest.raises(ValueError) as e:
+    pl.read_trace(str(path))
+  assert str(e.value).startswith(f"{path}:2: {error}"), str(e.value)
+
+
+def test_the_launcher_refuses_a_bad_trace_in_one_line(tmp_path):
+  """`mux.py --plan` on a job without train_s, or with "rollout_s": "x": one line naming the file, the job and the
+  key (before: a TypeError traceback from JobProfile's constructor)."""
+  import subprocess
+  import sys
+
+  root = __file__.rsplit("/tests/", 1)[0]
+  path, env = tmp_path / "trace.jsonl", {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+  for line, error in [({"job": "a", "rollout_s": 3.0}, "job 'a': missing 'train_s'"),
+                      ({"job": "b", "rollout_s": "x", "train_s": 1.0}, "job 'b': rollout_s=\"x\" must be a number")]:
+    path.write_text(json.dumps(line) + "\n")
+    out = subprocess.run([sys.executable, f"{root}/launchers/mux.py", f"--plan={path}"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {path}:1: {error}"), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and out.stdout == ""
 
 
 def test_replayed_costs_of_a_complementary_pair():
@@ -172,7 +209,7 @@ def test_a_synthetic_trace_round_trips_and_the_launcher_plans_it(tmp_path):
   assert pl.read_trace(str(path)) == (jobs, cluster)
   root = __file__.rsplit("/tests/", 1)[0]
   out = subprocess.run([sys.executable, f"{root}/launchers/mux.py", f"--plan={path}"], capture_output=True, text=True,
-                       timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+                       timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout == pl.plan_file(str(path)) + "\n" == pl.format_plan(*pl.plan(jobs, cluster)) + "\n"
   assert out.stdout.count(": new -> group") >= 1 and "for 12 jobs in" in out.stdout

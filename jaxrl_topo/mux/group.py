@@ -103,6 +103,22 @@ def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
   return {k: f._cache_size() for k, f in fns.items() if f is not None and hasattr(f, "_cache_size")}
 
 
+def planned_pools(jid: str, cfg: RunConfig) -> dict[str, list[int]]:
+  """{"train", "rollout": device ids} the job's topology carves (as `experiment.build` will), or a ValueError
+  naming the job: e.g. too few devices (the launcher adds cli.device_hint's XLA_FLAGS hint on a CPU)."""
+  from jaxrl_topo.topology.carve import carve
+
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)  # its "N of M devices idle" warning comes again at the job's build
+  try:
+    topo = carve(cfg.topology)
+  except ValueError as e:
+    raise ValueError(f"mux: job {jid}: {e}") from None
+  finally:
+    logging.set_verbosity(verbosity)
+  return {"train": _devices(topo.trainer), "rollout": _devices(topo.rollout)}
+
+
 class Group:
   """Build with `Group(specs, mux_cfg, workdir)`, then `run()` -> {job id: summary or error}."""
 
@@ -118,13 +134,14 @@ class Group:
     self._lock = threading.Lock()
     self._t0 = time.perf_counter()
     self.pools: dict[str, list[int]] = {}
+    self.admitted = self.built = False
 
   # ------------------------------------------------------------ admission
 
-  def build(self) -> None:
-    """Checks, from the configs alone (nothing built yet), that the group's host-resident state fits; builds
-    every job (a job that fails to build is reported and left out), checks that they share the same two
-    disjoint pools, then parks every job's state. One process is one node: every job's state lives here."""
+  def admit(self) -> None:
+    """The group's checks from the configs and the devices alone (nothing built, nothing written; the launcher
+    runs them before it writes any job's files): the host-resident state fits, and every job's topology, as the
+    group runs it (disaggregated), fits the devices and carves the same two pools."""
     planned = []
     for jid, job in self.jobs.items():
       try:
@@ -132,12 +149,36 @@ class Group:
       except Exception:  # noqa: BLE001  (a config that cannot be sized fails at its build, reported there)
         logging.warning("mux: job %s: host residency not sized from its config:\n%s", jid, traceback.format_exc())
     warm.check_residency(planned, self.mux.host_memory_gb)
+    first = None
+    for jid, job in self.jobs.items():
+      pools = planned_pools(jid, job.spec.cfg)
+      if first is None:
+        first = (jid, pools)
+      elif pools != first[1]:
+        raise ValueError(f"mux: job {jid} uses pools {pools}, job {first[0]} {first[1]}: every job of a group needs "
+                         "the same topology (set --config.topology.* for all jobs)")
+    self.admitted = True
+
+  def build(self) -> None:
+    """`admit()` (unless done); builds every job (a job that fails to build is reported and left out), checks
+    that they share the same two disjoint pools, then parks every job's state. One process is one node: every
+    job's state lives here. A group is built once (`run()` builds it when it was not)."""
+    self.built = True
+    if not self.admitted:
+      self.admit()
     for jid, job in self.jobs.items():
       try:
         resume.build_job(job, self.checkpoints)
       except Exception:  # noqa: BLE001  (isolation: reported with the job id)
         self._fail(jid, traceback.format_exc())
-    built = [j for j in self.jobs.values() if j.exp is not None]
+    try:
+      self._ready([j for j in self.jobs.values() if j.exp is not None])
+    except BaseException:
+      self._close()
+      raise
+
+  def _ready(self, built: list[_Job]) -> None:
+    """The built jobs share the same two pools; their tail (and free-shard) engines are warmed; state parked."""
     for job in built:
       pools = {"train": _devices(job.exp.topology.trainer), "rollout": _devices(job.exp.topology.rollout)}
       if not self.pools:
@@ -299,7 +340,7 @@ class Group:
     """Runs every admitted job to its `run.steps`; returns {job id: {"ok", "steps", "error", ...}}.
     `hooks_for(job_id, exp) -> LoopHooks`: a job's own sinks (metrics writer, spans file); the group's
     turn and warm-state hooks wrap them."""
-    if not any(j.exp for j in self.jobs.values()):
+    if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
     self._t0 = time.perf_counter()
     threads = []
@@ -318,11 +359,18 @@ class Group:
     for jid, job in self.jobs.items():
       out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall,
                   "resumed_from": job.start}
-      if job.ckpt is not None:
-        job.ckpt.close()
-      if job.exp is not None:
-        job.exp.close()
+    self._close()
     return out
+
+  def _close(self) -> None:
+    """Every job's Checkpointer (its saves committed) and experiment closed, before the process may exit: an
+    open Checkpointer's background thread fails at interpreter shutdown ('cannot schedule new futures')."""
+    for job in self.jobs.values():
+      try:
+        resume.close_checkpointer(job)
+      finally:
+        if job.exp is not None:
+          job.exp.close()
 
   def _write_spans(self) -> None:
     os.makedirs(self.workdir, exist_ok=True)

@@ -6,7 +6,7 @@ import ast
 import os
 from collections.abc import Sequence
 
-from jaxrl_topo.cli import UserError
+from jaxrl_topo.cli import UserError, message
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -29,19 +29,25 @@ def _value(text: str):
     return text  # a bare string
 
 
-def apply_override(config, item: str) -> None:
-  """`a.b.c=value` into a locked ConfigDict; an unknown key is rejected with the config's message."""
+def apply_override(config, item: str, where: str = "") -> None:
+  """`a.b.c=value` into a locked ConfigDict; an unknown key is rejected as train.py's `--config.a.b.c=v` is (the
+  same lookup, ml-collections' `config_path`, and cli.message's words: "did you mean ..."). `where`: how the
+  error names the item (default `override 'a.b.c=value'`)."""
+  from ml_collections.config_flags import config_path
+
+  where = where or f"override {item!r}"
   key, _, text = item.partition("=")
   if not key or not _:
-    raise UserError(f"override {item!r}: expected key=value")
+    raise UserError(f"{where}: expected key=value")
   *path, last = key.split(".")
-  node = config
   try:
+    config_path.get_type(key, config)  # the key exists (else the nearest one is named)
+    node = config
     for p in path:
       node = node[p]
     node[last] = _value(text)
-  except (KeyError, AttributeError, TypeError) as e:
-    raise UserError(f"override {item!r}: {e}") from None
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    raise UserError(f"{where}: {message(e)}") from None
 
 
 def parse_job(spec: str, common: Sequence[str], index: int):
@@ -51,9 +57,12 @@ def parse_job(spec: str, common: Sequence[str], index: int):
   head, *own = spec.split(",")
   path, _, arg = head.partition(":")
   config = config_from_file(path, arg or None)
-  for item in [*common, *own]:
-    apply_override(config, item)
-  return f"{index}-{os.path.splitext(os.path.basename(path))[0]}", config
+  job_id = f"{index}-{os.path.splitext(os.path.basename(path))[0]}"
+  for item in common:
+    apply_override(config, item, f"--config.{item}")
+  for item in own:
+    apply_override(config, item, f"job {job_id}: override {item!r}")
+  return job_id, config
 
 
 def check_job(job_id: str, config, workdir: str):
@@ -70,3 +79,12 @@ def check_job(job_id: str, config, workdir: str):
   except (ValueError, OSError) as e:
     raise UserError(f"job {job_id}: {e}") from None
   return cfg
+
+
+def mode_notice(job_id: str, cfg) -> str | None:
+  """The line the launcher prints when a job asked for another mode than the group runs it in: every job runs
+  disaggregated and strictly on-policy (eta = 0, mux/group.py on_policy); colocated, the default, says nothing."""
+  if cfg.topology.mode != "async":
+    return None
+  return (f"note: job {job_id}: topology.mode=async runs disaggregated in a mux group, strictly on-policy "
+          f"(run.max_staleness={cfg.run.max_staleness} -> 0)")

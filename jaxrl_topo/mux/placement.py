@@ -266,28 +266,72 @@ class Placer:
 # ------------------------------------------------------------------------------------------ trace files
 
 
+def _is_number(v) -> bool:
+  return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+_TYPES = {"str": (lambda v: isinstance(v, str), "a string"), "float": (_is_number, "a number"),
+          "int": (lambda v: _is_number(v) and float(v).is_integer(), "an integer"),
+          "tuple[float, ...]": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of numbers")}
+
+
+def _fields(cls, d: dict, where: str, also: str = "") -> dict:
+  """`d` checked against the dataclass `cls`: no unknown key, every required key, each value of its field's
+  type; else a ValueError naming `where` and the key."""
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  if unknown := sorted(set(d) - set(fields)):
+    raise ValueError(f"{where}: unknown keys {unknown}; expected some of {sorted(fields)}{also}")
+  required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+  if missing := [n for n in required if n not in d]:
+    raise ValueError(f"{where}: missing {', '.join(map(repr, missing))} (required: {', '.join(required)})")
+  for k, v in d.items():
+    ok, kind = _TYPES[fields[k].type]
+    if not ok(v):
+      raise ValueError(f"{where}: {k}={json.dumps(v)} must be {kind}")
+  return {k: int(v) if fields[k].type == "int" else v for k, v in d.items()}
+
+
+def _job_line(d: dict, line: str) -> JobProfile:
+  """A trace line's JobProfile ("host_gb" may stand for host_bytes); errors name the line, the job and the key."""
+  where = f"{line}: job {d['job']!r}" if isinstance(d.get("job"), str) else line
+  if "host_gb" in d:
+    if not _is_number(d["host_gb"]):
+      raise ValueError(f"{where}: host_gb={json.dumps(d['host_gb'])} must be a number")
+    d["host_bytes"] = int(float(d.pop("host_gb")) * 2**30)
+  try:
+    return JobProfile(**_fields(JobProfile, d, where, " (or host_gb)"))
+  except ValueError as e:
+    raise ValueError(str(e) if str(e).startswith(line) else f"{line}: {e}") from None  # __post_init__'s: job named
+
+
+def _cluster_line(c, where: str) -> Cluster:
+  if not isinstance(c, dict):
+    raise ValueError(f"{where}: cluster must be an object of Cluster's fields")
+  c = _fields(Cluster, c, f"{where}: cluster")
+  return Cluster(**{**c, **({"check_fracs": tuple(c["check_fracs"])} if "check_fracs" in c else {})})
+
+
 def read_trace(path: str) -> tuple[list[JobProfile], Cluster | None]:
   """A JSON-lines trace: one job per line, {"job", "rollout_s", "train_s", ...} (JobProfile's fields;
   "host_gb" may stand for host_bytes), and optionally one {"cluster": {...}} line (Cluster's fields: prices,
-  host memory, the switch cost in the trace's time units). Unknown keys are an error, naming the line."""
-  fields, cfields = {f.name for f in dataclasses.fields(JobProfile)}, {f.name for f in dataclasses.fields(Cluster)}
+  host memory, the switch cost in the trace's time units). A line that is not JSON, an unknown or missing key
+  or a value of the wrong type is an error naming the file, the line, the job and the key."""
   jobs, cluster = [], None
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
-      d = json.loads(line)
+      where = f"{path}:{n}"
+      try:
+        d = json.loads(line)
+      except ValueError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+      if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object (a job's profile, or {{\"cluster\": {{...}}}})")
       if "cluster" in d:
-        if unknown := sorted(set(d["cluster"]) - cfields):
-          raise ValueError(f"{path}:{n}: unknown cluster keys {unknown}; expected some of {sorted(cfields)}")
-        c = d["cluster"]
-        cluster = Cluster(**{**c, **({"check_fracs": tuple(c["check_fracs"])} if "check_fracs" in c else {})})
-        continue
-      if "host_gb" in d:
-        d["host_bytes"] = int(float(d.pop("host_gb")) * 2**30)
-      if unknown := sorted(set(d) - fields):
-        raise ValueError(f"{path}:{n}: unknown keys {unknown}; expected some of {sorted(fields)} (or host_gb)")
-      jobs.append(JobProfile(**d))
+        cluster = _cluster_line(d["cluster"], where)
+      else:
+        jobs.append(_job_line(d, where))
   if len({j.job for j in jobs}) != len(jobs):
     raise ValueError(f"{path}: job ids must be distinct")
   return jobs, cluster

@@ -21,8 +21,12 @@ def build_job(job, checkpoints: bool) -> None:
   supervised warm-up is then skipped, as a resumed solo run skips it), setting `job.start`."""
   cfg, workdir = job.spec.cfg, job.spec.workdir
   job.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints) if checkpoints else None
-  latest = job.ckpt.latest_step() if job.ckpt is not None else None
-  job.exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  try:
+    latest = job.ckpt.latest_step() if job.ckpt is not None else None
+    job.exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
+  except BaseException:  # its Checkpointer closed now: an open one's background thread fails at interpreter exit
+    close_checkpointer(job)
+    raise
   if latest is None:
     return
   exp = job.exp
@@ -31,6 +35,13 @@ def build_job(job, checkpoints: bool) -> None:
   exp.prompts.set_state(meta["data_state"])  # after the last trained batch
   if job.start > 0:
     loop_lib.sync_weights(exp, job.start)
+
+
+def close_checkpointer(job) -> None:
+  """Closes the job's Checkpointer (pending saves first), once."""
+  ckpt, job.ckpt = job.ckpt, None
+  if ckpt is not None:
+    ckpt.close()
 
 
 def save(job, done: int, data_state) -> None:
