@@ -8,8 +8,9 @@ Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
 A completion that contains a --stop string ends right after it (its tokens and log-probs cut to the
 shortest prefix whose text holds the stop string; finish_reason "stop"). Checked before any work: the
-model directory, --out not being --prompts, and every prompt + max_new_tokens against the model's
-position limit (max_position_embeddings).
+flag values (--greedy ignores the sampling flags), the model directory (config.json, the weights' headers),
+--out (a writable file, not --prompts), every prompt line, and every prompt + max_new_tokens against the
+model's position limit (max_position_embeddings).
 """
 
 import json
@@ -45,6 +46,19 @@ _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
 _ENGINE = cli.define_engine_flags()
 
 
+def check_flags() -> SamplingConfig:
+  """The sampling config, after the checks of flag values alone; raises naming the flag at fault."""
+  if _MAX_NEW.value < 1:
+    raise ValueError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1")
+  generate.check_sizes(_BATCH.value, _DATA.value, _TENSOR.value, name=lambda n: f"--{n}")
+  if _GREEDY.value:  # as --help says: the sampling flags are ignored
+    return SamplingConfig(greedy=True)
+  try:
+    return SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, min_p=_MIN_P.value)
+  except ValueError as e:  # "temperature must be > 0 unless greedy, got temperature=-5": name the flag
+    raise ValueError(f"--{e}") from None
+
+
 def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_tokens: int, chat: bool):
   """The tokenizer (or None), after the checks that need no devices; raises with the flag at fault."""
   from jaxrl_topo.data.pipeline import read_jsonl
@@ -58,16 +72,18 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
     raise FileNotFoundError(f"--prompts={prompts_path}: no such file")
   if os.path.realpath(out_path) == os.path.realpath(prompts_path):
     raise ValueError(f"--out={out_path} is the --prompts file: writing it would destroy the input")
+  generate.check_out_file(out_path)
+  cfg = hf_io.read_config(model_dir)
+  hf_io.tensor_files(model_dir)  # the weights' headers: a truncated file fails here, not after the tokenizer
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
   if _STOP.value and tokenizer is None:
     raise ValueError(f"--stop needs the text of completions: {model_dir} has no tokenizer.json")
-  limit = hf_io.read_config(model_dir).max_position
-  prompts = generate.read_prompts(prompts_path, tokenizer, chat)
+  prompts = generate.read_prompts(prompts_path, tokenizer, chat, cfg.vocab_size)
   wheres = [where for where, _ in read_jsonl(prompts_path)]
   for where, ids in zip(wheres, prompts, strict=True):
-    if len(ids) + max_new_tokens > limit:
+    if len(ids) + max_new_tokens > cfg.max_position:
       raise ValueError(f"{where}: the prompt's {len(ids)} tokens + --max_new_tokens={max_new_tokens} exceed the "
-                       f"model's position limit {limit} (max_position_embeddings)")
+                       f"model's position limit {cfg.max_position} (max_position_embeddings)")
   return tokenizer
 
 
@@ -90,10 +106,9 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   engine = generate.engine_knobs(_ENGINE())  # a bad value fails here, first
+  sampling = check_flags()
   tokenizer = check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
-  sampling = SamplingConfig(greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-                            top_p=_TOP_P.value, min_p=_MIN_P.value)
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
                       data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine)

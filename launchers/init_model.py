@@ -7,6 +7,7 @@ The directory loads with `launchers/generate.py --model=...` and with `transform
 char tokenizer covers a few hundred ids; for a preset with a real vocabulary, `--tokenizer_from=DIR`
 copies that model's tokenizer (tokenizer*.json, special tokens, chat template, generation_config.json
 for its EOS ids) instead, and without it a note says how much of the vocabulary the tokenizer covers.
+--out must be a new or empty directory: an existing model (or anything else) there is refused, not overwritten.
 """
 
 import os
@@ -16,11 +17,13 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxrl_topo import cli
+from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.presets import PRESETS, get_preset
 
 _PRESET = flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Model shape.")
-_OUT = flags.DEFINE_string("out", None, "Directory to write.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Directory to write (new or empty: an existing one is never "
+                           "overwritten).", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed.")
 _TOKENIZER_FROM = flags.DEFINE_string("tokenizer_from", None, "A local HF directory whose tokenizer to ship instead "
                                       "of the char tokenizer (its vocabulary must fit the preset's).")
@@ -29,8 +32,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json")
 
 
-def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
-  """Copies `src`'s tokenizer files over the char tokenizer's; returns their names."""
+def check_tokenizer(src: str, vocab_size: int) -> None:
+  """Raises, before anything is written, unless `src` has a tokenizer whose vocabulary fits `vocab_size`."""
   from jaxrl_topo.models.tokenizer import Tokenizer
 
   if not os.path.isfile(os.path.join(src, "tokenizer.json")):
@@ -38,6 +41,11 @@ def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
   n = Tokenizer.from_dir(src).tok.get_vocab_size(with_added_tokens=True)
   if n > vocab_size:
     raise ValueError(f"--tokenizer_from={src}: its {n} tokens do not fit the preset's vocab_size {vocab_size}")
+
+
+def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
+  """Copies `src`'s tokenizer files over the char tokenizer's; returns their names."""
+  check_tokenizer(src, vocab_size)
   copied = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
   for name in copied:
     shutil.copy(os.path.join(src, name), os.path.join(out, name))
@@ -48,8 +56,9 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   cfg = get_preset(_PRESET.value)
-  if _TOKENIZER_FROM.value and not os.path.isfile(os.path.join(_TOKENIZER_FROM.value, "tokenizer.json")):
-    raise FileNotFoundError(f"--tokenizer_from={_TOKENIZER_FROM.value}: no tokenizer.json there")
+  hf_io.check_out_dir(_OUT.value)  # never over a model (or anything else) the user already has
+  if _TOKENIZER_FROM.value:
+    check_tokenizer(_TOKENIZER_FROM.value, cfg.vocab_size)
   write_fresh_model(_OUT.value, cfg, _SEED.value)
   if _TOKENIZER_FROM.value:
     copied = copy_tokenizer(_TOKENIZER_FROM.value, _OUT.value, cfg.vocab_size)

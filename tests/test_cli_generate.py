@@ -1,7 +1,9 @@
-"""launchers/generate.py and init_model.py as a user runs them (subprocess): checks before any work, --stop."""
+"""launchers/generate.py, init_model.py and export.py as a user runs them (subprocess): checks before any work,
+--stop. The checks' tests are cheap: each fails before a model is loaded."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +12,8 @@ from subproc import cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATE = os.path.join(ROOT, "launchers", "generate.py")
+INIT = os.path.join(ROOT, "launchers", "init_model.py")
+EXPORT = os.path.join(ROOT, "launchers", "export.py")
 
 
 def _run(script, *args, timeout=180) -> subprocess.CompletedProcess:
@@ -94,3 +98,147 @@ def test_init_model_ships_another_models_tokenizer(tmp_path, model):
   assert (tmp_path / "m" / "tokenizer.json").read_text() == (model / "tokenizer.json").read_text()
   r = _run(init, "--preset=tiny", f"--out={tmp_path / 'n'}", f"--tokenizer_from={tmp_path / 'nope'}")
   assert r.returncode == 2 and "no tokenizer.json there" in r.stderr and not (tmp_path / "n").exists(), r.stderr
+
+
+def _one_line_error(r, text):
+  """The launcher refused with one `error:` line holding `text` (status 2, no traceback)."""
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and text in errors[0], r.stderr[-3000:]
+
+
+def _generate(model, prompts, out, *flags):
+  return _run(GENERATE, f"--model={model}", f"--prompts={prompts}", f"--out={out}", *flags)
+
+
+@pytest.mark.parametrize("flag", ["--data=0", "--data=-2", "--tensor=0", "--batch_size=0", "--max_new_tokens=0"])
+def test_non_positive_sizes_are_refused(tmp_path, model, flag):
+  """Before: --data=0 was a ZeroDivisionError, --data=-2 and --tensor=0 ran, --batch_size=0 named
+  EngineConfig.n_slots."""
+  p, out = _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"
+  _one_line_error(_generate(model, p, out, flag), f"{flag} must be >= 1")
+  assert not out.exists()
+
+
+def test_batch_size_not_a_multiple_of_data_names_the_flags(tmp_path, model):
+  p = _prompts(tmp_path / "in.jsonl", ["abc"])
+  _one_line_error(_generate(model, p, tmp_path / "o.jsonl", "--batch_size=3", "--data=2"),
+                  "--batch_size=3 must be a multiple of --data=2")
+
+
+def test_an_unwritable_out_is_refused_before_generating(tmp_path, model):
+  """Before: everything was generated, then [Errno 17] / [Errno 21] and the completions were lost."""
+  p = _prompts(tmp_path / "in.jsonl", ["abc"])
+  afile = tmp_path / "afile"
+  afile.write_text("mine\n")
+  _one_line_error(_generate(model, p, afile / "o.jsonl"), f"{afile} is a file, not a directory")
+  _one_line_error(_generate(model, p, afile / "sub" / "o.jsonl"), f"{afile} is a file, not a directory")
+  assert afile.read_text() == "mine\n"
+  (tmp_path / "outdir").mkdir()
+  _one_line_error(_generate(model, p, tmp_path / "outdir"), f"--out={tmp_path / 'outdir'} is a directory")
+  assert not os.listdir(tmp_path / "outdir")
+
+
+def test_bad_prompt_lines_name_file_and_line(tmp_path, model):
+  """Before: {"prompt": 5} was a TypeError from the tokenizer; an id outside the vocabulary said 'prompt 0: ...'
+  (after the model was loaded)."""
+  p, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+  p.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
+  _one_line_error(_generate(model, p, out), f"{p}:2: 'prompt' must be a string, got int 5")
+  p.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [3, 99999]}\n')
+  _one_line_error(_generate(model, p, out), f"{p}:3: prompt_ids holds 99999; token ids must lie in [0, ")
+  p.write_text('{"prompt_ids": [-1]}\n')
+  _one_line_error(_generate(model, p, out), f"{p}:1: prompt_ids holds -1")
+  assert not out.exists()
+
+
+def test_greedy_ignores_the_sampling_flags(tmp_path, model):
+  """Before: --greedy --temperature=-5 said 'temperature must be > 0 unless greedy'. Here it gets past the flag
+  checks to the (bad) prompt line; without --greedy the flag is named."""
+  p = tmp_path / "in.jsonl"
+  p.write_text('{"prompt": 5}\n')
+  r = _generate(model, p, tmp_path / "o.jsonl", "--greedy", "--temperature=-5", "--top_p=7")
+  _one_line_error(r, f"{p}:1: 'prompt' must be a string")
+  r = _generate(model, p, tmp_path / "o.jsonl", "--temperature=-5")
+  _one_line_error(r, "--temperature must be > 0 unless greedy, got temperature=-5")
+
+
+def _model_copy(model, tmp_path):
+  path = tmp_path / "copy"
+  shutil.copytree(model, path)
+  return path
+
+
+def test_a_truncated_weights_file_is_named(tmp_path, model):
+  """Before: safetensors' 'invalid header length' traceback."""
+  m, out = _model_copy(model, tmp_path), tmp_path / "o.jsonl"
+  weights = m / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:50])
+  _one_line_error(_generate(m, _prompts(tmp_path / "in.jsonl", ["abc"]), out),
+                  f"{weights}: not a readable safetensors file")
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("change,text", [
+    (lambda t: "{model_type: 1}", "not valid JSON (Expecting property name"),
+    (lambda t: json.dumps({**json.loads(t), "num_hidden_layers": "two"}), 'num_hidden_layers="two" must be a positive'),
+    (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "vocab_size"}), "no 'vocab_size'"),
+    (lambda t: "[1, 2]", "expected a JSON object, got list")])
+def test_a_broken_config_json_is_named(tmp_path, model, change, text):
+  """Before: 'Expecting property name ...' or "invalid literal for int() ... 'two'" naming neither file nor key."""
+  m = _model_copy(model, tmp_path)
+  cfg = m / "config.json"
+  cfg.write_text(change(cfg.read_text()))
+  _one_line_error(_generate(m, _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"), f"{cfg}: {text}")
+
+
+def test_init_model_never_overwrites(tmp_path, model):
+  """Before: an existing model directory was silently overwritten; a file was '[Errno 17] File exists' after the
+  model was built."""
+  m = _model_copy(model, tmp_path)
+  before = {f: (m / f).read_bytes() for f in os.listdir(m)}
+  _one_line_error(_run(INIT, "--preset=tiny", f"--out={m}", "--seed=1"), f"--out={m} already exists and is not empty")
+  assert {f: (m / f).read_bytes() for f in os.listdir(m)} == before
+  afile = tmp_path / "afile"
+  afile.write_text("mine\n")
+  _one_line_error(_run(INIT, "--preset=tiny", f"--out={afile}"), f"--out={afile} is a file, not a directory")
+  _one_line_error(_run(INIT, "--preset=tiny", f"--out={afile / 'm'}"), f"{afile} is a file, not a directory")
+  assert afile.read_text() == "mine\n"
+
+
+@pytest.fixture
+def workdir(tmp_path):
+  """A run directory as far as export's checks look (config.json, init_model/, checkpoints/)."""
+  work = tmp_path / "run"
+  (work / "init_model").mkdir(parents=True)
+  (work / "init_model" / "config.json").write_text('{"init": 1}')
+  (work / "checkpoints").mkdir()
+  (work / "config.json").write_text('{"model": {"hf_dir": null}}')
+  return work
+
+
+@pytest.mark.parametrize("sub,text", [("", "is the --workdir"), ("init_model", "is the run's own init_model"),
+                                      ("checkpoints/x", "is the run's own checkpoints"),
+                                      ("config.json", "is the run's own config.json"), ("tb", "is the run's own tb")])
+def test_export_never_writes_over_the_run(workdir, sub, text):
+  """Before: --out=R overwrote the run's config.json; --out=R/init_model replaced the run's initial model."""
+  owned = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+  out = workdir / sub if sub else workdir
+  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={out}"), f"--out={out} {text}")
+  assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == owned
+  assert not (workdir / "checkpoints" / "x").exists() and not (workdir / "tb").exists()
+
+
+def test_export_to_hf_inside_the_run_passes_the_checks(workdir, tmp_path, model):
+  """--out=R/hf (the README's) is allowed, and so is an earlier export there; the run's base model and a
+  directory holding something else are refused."""
+  for out in (workdir / "hf", _model_copy(model, tmp_path)):
+    r = _run(EXPORT, f"--workdir={workdir}", f"--out={out}")
+    assert "--out=" not in r.stderr, r.stderr[-3000:]  # it fails further on: this workdir has no real run
+  base = tmp_path / "copy"
+  (workdir / "config.json").write_text(json.dumps({"model": {"hf_dir": str(base)}}))
+  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={base}"), "is the model the run started from")
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "notes.txt").write_text("mine")
+  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={tmp_path / 'other'}"),
+                  "already exists and is not empty and holds no model to replace")

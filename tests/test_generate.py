@@ -157,5 +157,5 @@ def test_bad_prompt_lines_name_the_line(tiny_dir, tmp_path, line, message):
 def test_out_of_vocab_prompt_ids_are_refused(tiny_dir, tmp_path):
   prompts = tmp_path / "in.jsonl"
   prompts.write_text('{"prompt_ids": [1, 500]}\n')
-  with pytest.raises(ValueError, match=r"prompt 0: token ids must lie in \[0, 128\)"):
+  with pytest.raises(ValueError, match=r"in.jsonl:1: prompt_ids holds 500; token ids must lie in \[0, 128\)"):
     generate.run(tiny_dir, str(prompts), str(tmp_path / "out.jsonl"), max_new_tokens=2)

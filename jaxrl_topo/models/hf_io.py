@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_topo.models.config import ModelConfig, from_hf_dict, to_hf_dict
@@ -99,21 +99,74 @@ def _flat(tree: Params, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
 # --- reading ------------------------------------------------------------------------------------
 
 
+# config.json keys read as numbers: (kind, required). Checked before from_hf_dict so that a bad value is named.
+_HF_NUMBERS = {"vocab_size": (int, True), "hidden_size": (int, True), "num_hidden_layers": (int, True),
+               "num_attention_heads": (int, True), "intermediate_size": (int, True),
+               "num_key_value_heads": (int, False), "head_dim": (int, False), "max_position_embeddings": (int, False),
+               "rms_norm_eps": (float, False), "rope_theta": (float, False)}
+
+
+def read_json(path: str) -> Any:
+  """The parsed file; a file that is not JSON is a ValueError naming it."""
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _check_numbers(d: dict, path: str) -> None:
+  for key, (kind, required) in _HF_NUMBERS.items():
+    value = d.get(key)
+    if value is None:
+      if required:
+        raise ValueError(f"{path}: no {key!r} (a Hugging Face config.json needs it)")
+      continue
+    ok = isinstance(value, int | float if kind is float else int) and not isinstance(value, bool)
+    if not ok or not value > 0:
+      raise ValueError(f"{path}: {key}={json.dumps(value)} must be a positive {kind.__name__}")
+
+
 def read_config(model_dir: str, **overrides) -> ModelConfig:
+  """The ModelConfig of `model_dir`'s config.json; a broken file or bad value is a ValueError naming it."""
   path = os.path.join(model_dir, "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{model_dir}: no config.json (expected a local Hugging Face model directory)")
-  with open(path) as f:
-    return from_hf_dict(json.load(f), **overrides)
+  d = read_json(path)
+  if not isinstance(d, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+  _check_numbers(d, path)
+  try:
+    return from_hf_dict(d, **overrides)
+  except KeyError as e:
+    raise ValueError(f"{path}: no {e.args[0]!r} (a Hugging Face config.json needs it)") from None
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
+
+
+def _open(file: str):
+  """safe_open, with a truncated or corrupt file named in a CheckpointError."""
+  try:
+    return safe_open(file, framework="numpy")
+  except SafetensorError as e:
+    raise CheckpointError(f"{file}: not a readable safetensors file ({e}); is it truncated?") from None
 
 
 def tensor_files(model_dir: str) -> dict[str, str]:
-  """HF tensor name -> safetensors file holding it."""
+  """HF tensor name -> safetensors file holding it. Reads only the headers, so it also checks each file is whole."""
   index = os.path.join(model_dir, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-    return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    doc = read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index}: no 'weight_map' object")
+    files = {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    for file in sorted(set(files.values())):
+      if not os.path.isfile(file):
+        raise FileNotFoundError(f"{index} names {file}, which does not exist")
+      with _open(file):
+        pass
+    return files
   files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
   if not files:
     pickles = [f for f in _PICKLE_FILES if os.path.exists(os.path.join(model_dir, f))]
@@ -121,7 +174,7 @@ def tensor_files(model_dir: str) -> dict[str, str]:
     raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{hint}")
   out = {}
   for file in files:
-    with safe_open(os.path.join(model_dir, file), framework="numpy") as f:
+    with _open(os.path.join(model_dir, file)) as f:
       out.update({name: os.path.join(model_dir, file) for name in f.keys()})  # noqa: SIM118
   return out
 
@@ -154,7 +207,7 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh: Mesh | None = None, rule
   _check_names(expected, files, cfg, ignore)
   leaves = {}
   with contextlib.ExitStack() as stack:
-    handles = {f: stack.enter_context(safe_open(f, framework="numpy")) for f in sorted(set(files.values()))}
+    handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
     for name, (path, sds) in expected.items():
       handle = handles[files[name]]
       got = tuple(handle.get_slice(name).get_shape())
@@ -183,6 +236,39 @@ def load_model(model_dir: str, mesh: Mesh | None = None, rules: Rules | None = N
 
 
 # --- writing ------------------------------------------------------------------------------------
+
+
+def check_parent(path: str, flag: str) -> None:
+  """Raises, writing nothing, unless the nearest existing ancestor of `path` is a writable directory (so that
+  the missing ones can be made)."""
+  parent = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise NotADirectoryError(f"{flag}={path}: {parent} is a file, not a directory")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise PermissionError(f"{flag}={path}: {parent} is not writable")
+
+
+def is_model_dir(path: str) -> bool:
+  names = os.listdir(path) if os.path.isdir(path) else []
+  return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def check_out_dir(path: str, flag: str = "--out", *, replace_model: bool = False) -> None:
+  """Raises, writing nothing, unless `path` can become a model directory: absent or empty, or (`replace_model`)
+  a model directory already (config.json + *.safetensors), whose model save_model then replaces."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise FileExistsError(f"{flag}={path} is a file, not a directory; nothing was written")
+  if not os.path.isdir(path):
+    check_parent(path, flag)
+    return
+  if os.listdir(path) and not (replace_model and is_model_dir(path)):
+    what = " and holds no model to replace" if replace_model else ""
+    raise FileExistsError(f"{flag}={path} already exists and is not empty{what}; nothing was written: choose a new "
+                          "directory (or empty that one first)")
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise PermissionError(f"{flag}={path} is not writable")
 
 
 def _host_array(x: jax.Array) -> np.ndarray:
@@ -221,12 +307,21 @@ def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str |
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
              "weight_map": {n: f for f, s in zip(names, shards, strict=True) for n in s}}
     _write_json(os.path.join(model_dir, "model.safetensors.index.json"), index)
+  _drop_stale_weights(model_dir, names)
   hf_cfg = to_hf_dict(dataclasses.replace(cfg, param_dtype=dtype), bos_token_id=bos_token_id,
                       eos_token_id=eos_token_id)
   _write_json(os.path.join(model_dir, "config.json"), hf_cfg)
   if eos_token_id is not None or bos_token_id is not None:
     gen = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
     _write_json(os.path.join(model_dir, "generation_config.json"), gen)
+
+
+def _drop_stale_weights(model_dir: str, names: list[str]) -> None:
+  """The weight files of the model this save replaced: other shards, an index that one file no longer needs."""
+  keep = set(names) | ({"model.safetensors.index.json"} if len(names) > 1 else set())
+  for f in os.listdir(model_dir):
+    if (f.endswith(".safetensors") or f == "model.safetensors.index.json") and f not in keep:
+      os.remove(os.path.join(model_dir, f))
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:

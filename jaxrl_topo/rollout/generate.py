@@ -36,30 +36,54 @@ from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 _MIN_BUCKET = 8
 
 
-def read_prompts(path: str, tokenizer: Tokenizer | None, chat: bool) -> list[list[int]]:
-  """Token ids per line; errors name the line."""
-  prompts = [_prompt_ids(row, tokenizer, chat, where) for where, row in read_jsonl(path)]
+def read_prompts(path: str, tokenizer: Tokenizer | None, chat: bool, vocab_size: int | None = None) -> list[list[int]]:
+  """Token ids per line; errors name the line. `vocab_size`: ids outside [0, vocab_size) are refused."""
+  prompts = [_prompt_ids(row, tokenizer, chat, where, vocab_size) for where, row in read_jsonl(path)]
   if not prompts:
     raise ValueError(f"{path}: no prompts")
   return prompts
 
 
-def _prompt_ids(row: Any, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
+def _prompt_ids(row: Any, tokenizer: Tokenizer | None, chat: bool, where: str, vocab_size: int | None) -> list[int]:
   if not isinstance(row, dict) or ("prompt" in row) == ("prompt_ids" in row):
     raise ValueError(f"{where}: each line needs exactly one of 'prompt' (text) or 'prompt_ids' (ints)")
   if "prompt_ids" in row:
     ids = row["prompt_ids"]
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
       raise ValueError(f"{where}: prompt_ids must be a list of ints")
+    if ids and vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+      bad = next(i for i in ids if not 0 <= i < vocab_size)
+      raise ValueError(f"{where}: prompt_ids holds {bad}; token ids must lie in [0, {vocab_size}) for this model")
   else:
     if tokenizer is None:
       raise ValueError(f"{where}: a text prompt needs tokenizer.json in the model directory")
     text = row["prompt"]
+    if not isinstance(text, str):
+      raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__} {json.dumps(text)[:40]}")
     ids = (tokenizer.apply_chat_template_ids([{"role": "user", "content": text}]) if chat
            else tokenizer.encode(text))
   if not ids:
     raise ValueError(f"{where}: empty prompt")
   return ids
+
+
+def check_out_file(path: str, flag: str = "--out") -> None:
+  """Raises, writing nothing, unless `path` can be written as a file: not a directory, its parent a directory
+  (or one that can be made) that is writable."""
+  if os.path.isdir(path):
+    raise IsADirectoryError(f"{flag}={path} is a directory; it names the output file (e.g. {flag}=DIR/out.jsonl)")
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise PermissionError(f"{flag}={path} is not writable")
+  hf_io.check_parent(path, flag)
+
+
+def check_sizes(batch_size: int, data: int, tensor: int, name=lambda n: n) -> None:
+  """batch_size, data and tensor positive, batch_size a multiple of data; `name` spells a setting (a flag)."""
+  for key, value in (("batch_size", batch_size), ("data", data), ("tensor", tensor)):
+    if value < 1:
+      raise ValueError(f"{name(key)}={value} must be >= 1")
+  if batch_size % data:
+    raise ValueError(f"{name('batch_size')}={batch_size} must be a multiple of {name('data')}={data}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +168,10 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
   """Reads prompts, generates, writes `out_path`; returns the written rows. `engine`: EngineConfig knobs by name
   (generate_ids)."""
   engine = engine_knobs(engine)
+  check_sizes(batch_size, data, tensor)
+  check_out_file(out_path, "out_path")
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
-  prompts = read_prompts(prompts_path, tokenizer, chat)
-  if batch_size % data:
-    raise ValueError(f"batch_size={batch_size} must be a multiple of data={data}")
+  prompts = read_prompts(prompts_path, tokenizer, chat, hf_io.read_config(model_dir).vocab_size)
   mesh = make_mesh({"data": data, "tensor": tensor}, jax.devices()[: data * tensor]) if data * tensor > 1 else None
   cfg, graphdef, params = hf_io.load_model(model_dir, mesh, ROLLOUT_RULES if mesh else None, dtype=dtype)
   eos = tokenizer.eos_token_ids if tokenizer else read_eos_token_ids(model_dir)
