@@ -114,6 +114,8 @@ def test_a_task_config_takes_a_file_source(tmp_path):
   workdir.check_data(from_config_dict(_config(**{"data.source": str(rows), "data.eval_source": str(rows)})))
   with pytest.raises(ValueError, match="does not match source"):  # a task source still must match its task
     from_config_dict(_config(**{"data.source": "arithmetic"}))
+  with pytest.raises(ValueError, match="'reversl' is neither a .jsonl/.parquet path nor a task in"):  # a typo
+    from_config_dict(_config(**{"data.source": "reversl"}))  # before: "task.name 'reversal' does not match source"
 
 
 def test_a_script_whose_run_cannot_start_leaves_nothing_behind(tmp_path):
