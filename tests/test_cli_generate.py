@@ -111,45 +111,51 @@ def _generate(model, prompts, out, *flags):
   return _run(GENERATE, f"--model={model}", f"--prompts={prompts}", f"--out={out}", *flags)
 
 
-@pytest.mark.parametrize("flag", ["--data=0", "--data=-2", "--tensor=0", "--batch_size=0", "--max_new_tokens=0"])
-def test_non_positive_sizes_are_refused(tmp_path, model, flag):
+def test_non_positive_sizes_are_refused(tmp_path, model):
   """Before: --data=0 was a ZeroDivisionError, --data=-2 and --tensor=0 ran, --batch_size=0 named
-  EngineConfig.n_slots."""
+  EngineConfig.n_slots. The launcher twice; the rest through the check it calls."""
+  from jaxrl_topo.rollout import generate
+
   p, out = _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"
-  _one_line_error(_generate(model, p, out, flag), f"{flag} must be >= 1")
+  for flag in ("--data=0", "--max_new_tokens=0"):
+    _one_line_error(_generate(model, p, out, flag), f"{flag} must be >= 1")
   assert not out.exists()
-
-
-def test_batch_size_not_a_multiple_of_data_names_the_flags(tmp_path, model):
-  p = _prompts(tmp_path / "in.jsonl", ["abc"])
-  _one_line_error(_generate(model, p, tmp_path / "o.jsonl", "--batch_size=3", "--data=2"),
-                  "--batch_size=3 must be a multiple of --data=2")
+  for sizes, says in (((8, -2, 1), "--data=-2 must be >= 1"), ((8, 1, 0), "--tensor=0 must be >= 1"),
+                      ((0, 1, 1), "--batch_size=0 must be >= 1"), ((3, 2, 1), "--batch_size=3 must be a multiple "
+                                                                               "of --data=2")):
+    with pytest.raises(ValueError, match=says):
+      generate.check_sizes(*sizes, name=lambda n: f"--{n}")
 
 
 def test_an_unwritable_out_is_refused_before_generating(tmp_path, model):
   """Before: everything was generated, then [Errno 17] / [Errno 21] and the completions were lost."""
+  from jaxrl_topo.rollout import generate
+
   p = _prompts(tmp_path / "in.jsonl", ["abc"])
   afile = tmp_path / "afile"
   afile.write_text("mine\n")
   _one_line_error(_generate(model, p, afile / "o.jsonl"), f"{afile} is a file, not a directory")
-  _one_line_error(_generate(model, p, afile / "sub" / "o.jsonl"), f"{afile} is a file, not a directory")
+  with pytest.raises(OSError, match=f"{afile} is a file, not a directory"):
+    generate.check_out_file(str(afile / "sub" / "o.jsonl"))
   assert afile.read_text() == "mine\n"
   (tmp_path / "outdir").mkdir()
-  _one_line_error(_generate(model, p, tmp_path / "outdir"), f"--out={tmp_path / 'outdir'} is a directory")
-  assert not os.listdir(tmp_path / "outdir")
+  with pytest.raises(OSError, match="is a directory"):
+    generate.check_out_file(str(tmp_path / "outdir"))
 
 
 def test_bad_prompt_lines_name_file_and_line(tmp_path, model):
   """Before: {"prompt": 5} was a TypeError from the tokenizer; an id outside the vocabulary said 'prompt 0: ...'
   (after the model was loaded)."""
+  from jaxrl_topo.rollout import generate
+
   p, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
-  p.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
-  _one_line_error(_generate(model, p, out), f"{p}:2: 'prompt' must be a string, got int 5")
   p.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [3, 99999]}\n')
   _one_line_error(_generate(model, p, out), f"{p}:3: prompt_ids holds 99999; token ids must lie in [0, ")
-  p.write_text('{"prompt_ids": [-1]}\n')
-  _one_line_error(_generate(model, p, out), f"{p}:1: prompt_ids holds -1")
   assert not out.exists()
+  p.write_text('{"prompt_ids": [-1]}\n')
+  with pytest.raises(ValueError, match=f"{p}:1: prompt_ids holds -1"):
+    generate.read_prompts(str(p), None, False, vocab_size=128)
+  p.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')  # (the launcher's run with this file is the next test's)
 
 
 def test_greedy_ignores_the_sampling_flags(tmp_path, model):
@@ -185,11 +191,16 @@ def test_a_truncated_weights_file_is_named(tmp_path, model):
     (lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "vocab_size"}), "no 'vocab_size'"),
     (lambda t: "[1, 2]", "expected a JSON object, got list")])
 def test_a_broken_config_json_is_named(tmp_path, model, change, text):
-  """Before: 'Expecting property name ...' or "invalid literal for int() ... 'two'" naming neither file nor key."""
+  """Before: 'Expecting property name ...' or "invalid literal for int() ... 'two'" naming neither file nor key.
+  (hf_io.read_config, which generate.py calls first: the launcher's run is the truncated-weights test's.)"""
+  from jaxrl_topo.models import hf_io
+
   m = _model_copy(model, tmp_path)
   cfg = m / "config.json"
   cfg.write_text(change(cfg.read_text()))
-  _one_line_error(_generate(m, _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"), f"{cfg}: {text}")
+  with pytest.raises(ValueError) as err:
+    hf_io.read_config(str(m))
+  assert str(err.value).startswith(f"{cfg}: {text}"), err.value
 
 
 def test_init_model_never_overwrites(tmp_path, model):
@@ -199,10 +210,13 @@ def test_init_model_never_overwrites(tmp_path, model):
   before = {f: (m / f).read_bytes() for f in os.listdir(m)}
   _one_line_error(_run(INIT, "--preset=tiny", f"--out={m}", "--seed=1"), f"--out={m} already exists and is not empty")
   assert {f: (m / f).read_bytes() for f in os.listdir(m)} == before
+  from jaxrl_topo.models import hf_io
+
   afile = tmp_path / "afile"
   afile.write_text("mine\n")
-  _one_line_error(_run(INIT, "--preset=tiny", f"--out={afile}"), f"--out={afile} is a file, not a directory")
-  _one_line_error(_run(INIT, "--preset=tiny", f"--out={afile / 'm'}"), f"{afile} is a file, not a directory")
+  for out, says in ((afile, f"--out={afile} is a file, not a directory"), (afile / "m", f"{afile} is a file")):
+    with pytest.raises(OSError, match=says):
+      hf_io.check_out_dir(str(out))
   assert afile.read_text() == "mine\n"
 
 
@@ -221,10 +235,16 @@ def workdir(tmp_path):
                                       ("checkpoints/x", "is the run's own checkpoints"),
                                       ("config.json", "is the run's own config.json"), ("tb", "is the run's own tb")])
 def test_export_never_writes_over_the_run(workdir, sub, text):
-  """Before: --out=R overwrote the run's config.json; --out=R/init_model replaced the run's initial model."""
+  """Before: --out=R overwrote the run's config.json; --out=R/init_model replaced the run's initial model.
+  The launcher for --out=R; the others through the check it (and run.export) calls."""
+  from jaxrl_topo.runtime.workdir import check_export_out
+
   owned = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
   out = workdir / sub if sub else workdir
-  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={out}"), f"--out={out} {text}")
+  if not sub:
+    _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={out}"), f"--out={out} {text}")
+  with pytest.raises(ValueError, match=f"--out={out} {text}"):
+    check_export_out(str(workdir), str(out))
   assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == owned
   assert not (workdir / "checkpoints" / "x").exists() and not (workdir / "tb").exists()
 
@@ -232,13 +252,15 @@ def test_export_never_writes_over_the_run(workdir, sub, text):
 def test_export_to_hf_inside_the_run_passes_the_checks(workdir, tmp_path, model):
   """--out=R/hf (the README's) is allowed, and so is an earlier export there; the run's base model and a
   directory holding something else are refused."""
+  from jaxrl_topo.runtime.workdir import check_export_out
+
   for out in (workdir / "hf", _model_copy(model, tmp_path)):
-    r = _run(EXPORT, f"--workdir={workdir}", f"--out={out}")
-    assert "--out=" not in r.stderr, r.stderr[-3000:]  # it fails further on: this workdir has no real run
+    check_export_out(str(workdir), str(out))
   base = tmp_path / "copy"
   (workdir / "config.json").write_text(json.dumps({"model": {"hf_dir": str(base)}}))
-  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={base}"), "is the model the run started from")
+  with pytest.raises(ValueError, match="is the model the run started from"):
+    check_export_out(str(workdir), str(base))
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "notes.txt").write_text("mine")
-  _one_line_error(_run(EXPORT, f"--workdir={workdir}", f"--out={tmp_path / 'other'}"),
-                  "already exists and is not empty and holds no model to replace")
+  with pytest.raises(OSError, match="already exists and is not empty and holds no model to replace"):
+    check_export_out(str(workdir), str(tmp_path / "other"))

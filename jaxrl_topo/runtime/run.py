@@ -237,6 +237,7 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   from jaxrl_topo.train.optim import make_optimizer
   from jaxrl_topo.train.state import create_train_state
 
+  workdir_lib.check_export_out(workdir, out_dir)
   cfg = load_config(workdir)
   model_dir = experiment_lib.model_dir_for(cfg, workdir)
   trainer = carve(cfg.topology).trainer

@@ -123,6 +123,30 @@ def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True) -> 
                      "(deletes its checkpoints).")
 
 
+def check_export_out(workdir: str, out: str) -> None:
+  """Raises, writing nothing, when an export of `workdir` to `out` would overwrite the run or the model it started
+  from (`out` is the workdir, anything the run keeps in it, or its config's model.hf_dir) or cannot be written
+  (hf_io.check_out_dir: new, empty, or an earlier export to replace). `out=<workdir>/hf` is fine."""
+  from jaxrl_topo.models import hf_io
+
+  work, dest = os.path.realpath(workdir), os.path.realpath(out)
+  if dest == work:
+    raise ValueError(f"--out={out} is the --workdir: the export would overwrite the run's config.json; "
+                     f"write it to a new directory, e.g. --out={os.path.join(workdir, 'hf')}")
+  inside = os.path.relpath(dest, work).split(os.sep)[0] if dest.startswith(work + os.sep) else None
+  if inside in (*RUN_FILES, "profile"):
+    raise ValueError(f"--out={out} is the run's own {inside} (in --workdir={workdir}): writing there would "
+                     f"damage the run; use e.g. --out={os.path.join(workdir, 'hf')}")
+  try:
+    with open(os.path.join(workdir, CONFIG_FILE)) as f:
+      base = json.load(f).get("model", {}).get("hf_dir")
+  except (OSError, ValueError, AttributeError):
+    base = None  # run.export names what is wrong with the config
+  if isinstance(base, str) and base and os.path.realpath(base) == dest:
+    raise ValueError(f"--out={out} is the model the run started from (model.hf_dir): choose a new directory")
+  hf_io.check_out_dir(out, replace_model=True)
+
+
 def write_identity(cfg: RunConfig, workdir: str) -> None:
   """identity.json, replaced whole: another process checking the workdir never reads half a file."""
   os.makedirs(workdir, exist_ok=True)
