@@ -147,6 +147,8 @@ def test_a_model_directory_is_no_workdir(tmp_path):
   run.mkdir()
   (run / "config.json").write_text(_config().to_json(indent=2))
   workdir.check_workdir(from_config_dict(_config()), str(run))
+  (run / "config.json").write_text('{"model": {')  # a torn run config is no model: --fresh can still mend it
+  workdir.check_not_a_model(from_config_dict(_config()), str(run))
 
 
 def test_a_checkpoint_past_run_steps_is_refused_before_anything_is_written(tmp_path):

@@ -212,10 +212,12 @@ def read_spans(workdir: str) -> list[dict]:
 
 def save_config(config, workdir: str) -> None:
   """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back."""
-  if _main():
+  if _main():  # replaced whole: another process checking the workdir never reads half a file
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    path = os.path.join(workdir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
       f.write(config.to_json(indent=2))
+    os.replace(path + ".tmp", path)
 
 
 def load_config(workdir: str) -> RunConfig:

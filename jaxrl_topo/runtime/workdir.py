@@ -83,8 +83,8 @@ def check_not_a_model(cfg: RunConfig, workdir: str) -> None:
     try:
       with open(path) as f:
         saved = json.load(f)
-    except (OSError, ValueError):
-      saved = None
+    except (OSError, ValueError):  # not JSON: a torn run config, named by recorded_identity (--fresh mends it)
+      saved = {"run": None, "model": None}
     if not (isinstance(saved, dict) and "run" in saved and "model" in saved):
       found = [CONFIG_FILE + " (not a run's)"]
   if found:
