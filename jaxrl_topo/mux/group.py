@@ -153,9 +153,10 @@ class Group:
     for jid, job in self.jobs.items():
       pools = planned_pools(jid, job.spec.cfg)
       if first is None:
-        first = (jid, pools)
-      elif pools != first[1]:
-        raise ValueError(f"mux: job {jid} uses pools {pools}, job {first[0]} {first[1]}: every job of a group needs "
+        first = jid
+        self.pools = pools  # each job's build carves the same topology: these are the group's pools
+      elif pools != self.pools:
+        raise ValueError(f"mux: job {jid} uses pools {pools}, job {first} {self.pools}: every job of a group needs "
                          "the same topology (set --config.topology.* for all jobs)")
     self.admitted = True
 
@@ -178,14 +179,7 @@ class Group:
       raise
 
   def _ready(self, built: list[_Job]) -> None:
-    """The built jobs share the same two pools; their tail (and free-shard) engines are warmed; state parked."""
-    for job in built:
-      pools = {"train": _devices(job.exp.topology.trainer), "rollout": _devices(job.exp.topology.rollout)}
-      if not self.pools:
-        self.pools = pools
-      elif pools != self.pools:
-        raise ValueError(f"mux: job {job.spec.job_id} uses pools {pools}, the group {self.pools}: every job of a "
-                         "group needs the same topology (set --config.topology.* for all jobs)")
+    """The built jobs (on the pools `admit` checked) get their tail (and free-shard) engines warmed; state parked."""
     for job in built:
       job.tail = TailMigration(job.exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
       job.tail.warm()  # its tail engine's programs compile now, not in its first migration

@@ -41,9 +41,8 @@ def identity_diff(old: dict, new: dict) -> list[str]:
 
 def has_run(workdir: str) -> bool:
   """Whether `workdir` holds a checkpoint or a preset's init_model/ (something a launch would resume)."""
-  ckpts = os.path.join(workdir, "checkpoints")
-  has_ckpt = os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts))
-  return has_ckpt or os.path.isfile(os.path.join(workdir, "init_model", "config.json"))
+  init_model = os.path.join(workdir, "init_model", "config.json")
+  return latest_checkpoint_step(workdir) is not None or os.path.isfile(init_model)
 
 
 def recorded_identity(workdir: str) -> dict | None:
@@ -84,8 +83,8 @@ def check_not_a_model(cfg: RunConfig, workdir: str) -> None:
       with open(path) as f:
         saved = json.load(f)
     except (OSError, ValueError):  # not JSON: a torn run config, named by recorded_identity (--fresh mends it)
-      saved = {"run": None, "model": None}
-    if not (isinstance(saved, dict) and "run" in saved and "model" in saved):
+      saved = None
+    if saved is not None and not (isinstance(saved, dict) and "run" in saved and "model" in saved):
       found = [CONFIG_FILE + " (not a run's)"]
   if found:
     raise ValueError(f"--workdir {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
