@@ -69,11 +69,12 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--config is required, e.g. --config=configs/grpo_task.py:tiny")
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
-  from jaxrl_topo.runtime.workdir import check_data, check_not_a_model, check_workdir, start_over
+  from jaxrl_topo.runtime.workdir import check_data, check_model, check_not_a_model, check_workdir, start_over
 
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
   check_data(cfg)  # the prompts build: a bad task or data file fails before the workdir is touched
+  check_model(cfg)  # lora.targets name the model's projections
   workdir, fresh = _WORKDIR.value, _FRESH.value or cfg.run.fresh
   check_not_a_model(cfg, workdir)  # a model directory is refused, --fresh or not
   if not fresh:
@@ -82,9 +83,10 @@ def main(argv: Sequence[str]) -> None:
   import jax
 
   from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.workdir import check_shapes
   from jaxrl_topo.topology.carve import carve
 
-  carve(cfg.topology)  # enough devices for the topology? (before the workdir is written)
+  check_shapes(cfg, carve(cfg.topology))  # enough devices? the weights and batch divide over the meshes?
   if fresh:  # only now that every check has passed: a launch that cannot start deletes nothing
     gone = start_over(workdir) if jax.process_index() == 0 else []
     if jax.process_count() > 1:

@@ -68,9 +68,9 @@ TRAIN = os.path.join(ROOT, "launchers", "train.py")
 TINY = f"--config={os.path.join(ROOT, 'configs', 'grpo_task.py')}:tiny"
 
 
-def _train(*args, cwd=ROOT, timeout=120) -> subprocess.CompletedProcess:
+def _train(*args, cwd=ROOT, timeout=120, devices=1) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                        env=_env())
+                        env=cpu_env(devices, PYTHONPATH=ROOT))
 
 
 def test_missing_config_is_a_usage_error(tmp_path):
@@ -214,6 +214,17 @@ def test_too_few_devices_hints_at_fake_cpu_devices(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.topology.mode=async")
   assert r.returncode == 2 and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in r.stderr, r.stderr
   assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
+
+
+def test_meshes_the_model_does_not_divide_over_are_refused_before_the_workdir_is_made(tmp_path):
+  """tensor=3 does not divide the tiny model's 128-token vocabulary. Before: experiment.build found it, after
+  config.json, identity.json and init_model/ were written (then deleted again, leaving the workdir behind)."""
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.topology.trainer.tensor=3",
+             "--config.topology.rollout.tensor=3", devices=3)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert ("\nerror: role 'actor' (trainer mesh {'data': 1, 'fsdp': 1, 'tensor': 3}): ['embed_tokens']: dim 0 "
+          "(vocab=128) does not divide over mesh axes tensor (3 ways)") in r.stderr, r.stderr
+  assert not (tmp_path / "w").exists()
 
 
 def test_child_env_keeps_the_users_xla_flags_and_accelerators(monkeypatch):

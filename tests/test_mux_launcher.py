@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,15 +103,48 @@ def test_jobs_that_carve_different_pools_are_refused_before_anything_is_written(
 
 
 def test_a_job_that_fails_its_build_is_reported_once_and_its_checkpointer_closed(tmp_path):
-  """A failure only the build finds (the rollout mesh does not divide the vocabulary): its traceback once (the
-  group was built twice when every job failed), and no orbax 'cannot schedule new futures after interpreter
-  shutdown' traceback (its Checkpointer was left open)."""
-  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", "--config.topology.mode=disaggregated",
-                "--config.topology.rollout.tensor=3", devices=4)
+  """A failure only the build finds (a reward model with the warm-up's accuracy target: experiment.build refuses
+  it): its traceback once (the group was built twice when every job failed), and no orbax 'cannot schedule new
+  futures after interpreter shutdown' traceback (its Checkpointer was left open). (Until the meshes were checked
+  before anything is written, a rollout mesh that does not divide the vocabulary was this failure.)"""
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", "--config.reward.fn=model",
+                f"--config.reward.model_dir={tmp_path / 'rm'}")
   assert out.returncode == 2 and out.stderr.rstrip().endswith(
       "error: every job failed\n(run with --traceback to see where it was raised)"), out.stderr[-3000:]
   assert out.stderr.count("mux: job 0-grpo_task failed") == 1, out.stderr
-  assert "cannot schedule new futures" not in out.stderr and "does not divide" in out.stdout
+  assert "cannot schedule new futures" not in out.stderr and "run.sft_target_accuracy stops" in out.stdout
+
+
+def test_meshes_the_model_does_not_divide_over_are_refused_before_anything_is_written(tmp_path):
+  """Group.admit (the launcher's last check before it writes job folders) now checks each job's model and batch
+  against its meshes (workdir.check_shapes). Before: the job folders, config.json and identity.json were
+  written, then the job failed its build (a rollout mesh of tensor=3 does not divide the vocabulary)."""
+  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["topology.mode='disaggregated'", "topology.rollout.tensor=3"], 0)
+  spec = JobSpec("0-grpo_task", check_job("0-grpo_task", c, str(tmp_path / "group" / "0-grpo_task")),
+                 str(tmp_path / "group" / "0-grpo_task"))
+  with pytest.raises(ValueError, match=re.escape(
+      "mux: job 0-grpo_task: role 'rollout' (rollout mesh {'data': 1, 'tensor': 3}): ['embed_tokens']: dim 0 "
+      "(vocab=128) does not divide over mesh axes tensor (3 ways)")):
+    Group([spec], MuxConfig(), str(tmp_path / "group"), checkpoints=True).admit()
+  assert not list(tmp_path.iterdir())
+
+
+def test_a_job_is_refused_in_words_of_its_own(tmp_path):
+  """A job's folder that is a model directory was called '--workdir' (the group's flag, a different path); a
+  job's LoRA targets naming no projection were found after its warm-up."""
+  model = tmp_path / "0-grpo_task"
+  model.mkdir()
+  (model / "model.safetensors").write_bytes(b"")
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", [], 0)
+  with pytest.raises(UserError, match=rf"^job 0-grpo_task: its folder {re.escape(str(model))} holds model") as err:
+    check_job("0-grpo_task", c, str(model))
+  assert "--workdir" not in str(err.value)
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["lora.rank=8", "lora.targets=('qproj',)"], 0)
+  with pytest.raises(UserError, match=r"^job 0-grpo_task: lora.targets \('qproj',\): 'qproj' names no projection"):
+    check_job("0-grpo_task", c, str(tmp_path / "x"))
+  assert [p.name for p in tmp_path.iterdir()] == ["0-grpo_task"]
 
 
 def test_an_async_job_is_run_disaggregated_with_a_note(tmp_path):

@@ -7,6 +7,7 @@ and init_model/ were written, and --fresh deleted the old run before any of that
 
 import json
 import os
+import re
 
 import pytest
 from test_rl_loop import load_config
@@ -159,3 +160,80 @@ def test_a_checkpoint_past_run_steps_is_refused_before_anything_is_written(tmp_p
   with pytest.raises(ValueError, match=r"checkpoint at step 4, past run.steps=3: raise run.steps"):
     workdir.check_workdir(from_config_dict(_config(**{"run.steps": 3})), str(work))
   workdir.check_workdir(from_config_dict(_config(**{"run.steps": 4})), str(work))  # finished: resumes, trains none
+
+
+def test_a_batch_the_prompts_cannot_fill_is_refused_with_nothing_written(tmp_path, monkeypatch):
+  """Before: data.batch_size=100000 on the task's 1000 prompts passed every check; the run then spent ~4 minutes
+  and died with XLA's RESOURCE_EXHAUSTED. The pipeline repeats the reshuffled prompts to fill a batch, so up to
+  8 x the prompts kept (after the length filter) still runs: a 4-row file under the tiny config's batch of 16."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=re.escape(
+      "data.batch_size=100000 is over 8 x the 1000 training prompts (8000): each step would hold every prompt about "
+      "100 times; lower data.batch_size to 8000 or less (1000 or less holds each prompt at most once a step), or add "
+      "prompts")):
+    workdir.check_data(from_config_dict(_config(**{"data.batch_size": 100000})))
+  assert not os.listdir(tmp_path)
+  workdir.check_data(from_config_dict(_config(**{"data.batch_size": 8000})))
+  rows = tmp_path / "rev.jsonl"  # 4 rows kept, 1 over the tiny config's max_prompt_len=16 (skipped)
+  rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1]}) + "\n"
+                          for w in ("abcd", "fade", "cafe", "bead", "a" * 40)))
+  files = {"data.source": str(rows), "data.eval_source": str(rows)}
+  with pytest.raises(ValueError, match=re.escape("data.batch_size=33 is over 8 x the 4 training prompts (32)")):
+    workdir.check_data(from_config_dict(_config(**files, **{"data.batch_size": 33})))
+  workdir.check_data(from_config_dict(_config(**files, **{"data.batch_size": 32})))
+
+
+def test_lora_targets_that_name_no_projection_are_refused_from_the_config():
+  """Before: ('qproj',) passed every check; the run wrote its workdir, ran the supervised warm-up and only then
+  failed in init_lora ('match no kernel in the params'); ('q_proj', 'v_prj') adapted q_proj alone, silently."""
+  projections = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+  with pytest.raises(ValueError, match=re.escape(
+      f"lora.targets ('qproj',): 'qproj' names no projection of the model tiny; its projections are {projections}")):
+    workdir.check_model(from_config_dict(_config(**{"lora.rank": 8, "lora.targets": ("qproj",)})))
+  with pytest.raises(ValueError, match=re.escape("('q_proj', 'v_prj', 'up'): 'v_prj', 'up' name no projection")):
+    workdir.check_model(from_config_dict(_config(**{"lora.rank": 8, "lora.targets": ("q_proj", "v_prj", "up")})))
+  workdir.check_model(from_config_dict(_config(**{"lora.rank": 8})))  # every default target
+  workdir.check_model(from_config_dict(_config(**{"lora.targets": ("qproj",)})))  # rank 0: no LoRA, targets unused
+
+
+def test_a_model_directory_is_named_as_the_caller_names_it(tmp_path):
+  """run.train(cfg, workdir) on a model directory: the message said '--workdir', a flag a script has none of."""
+  model = tmp_path / "m"
+  model.mkdir()
+  (model / "model.safetensors").write_bytes(b"")
+  with pytest.raises(ValueError, match=rf"^workdir {re.escape(str(model))} holds model.safetensors: a model") as err:
+    run_lib.train(from_config_dict(_config()), str(model), progress=False)
+  assert "--workdir" not in str(err.value) and [p.name for p in model.iterdir()] == ["model.safetensors"]
+  with pytest.raises(ValueError, match=rf"^--workdir {re.escape(str(model))} holds model.safetensors"):
+    workdir.check_workdir(from_config_dict(_config()), str(model))  # train.py's flag
+
+
+@pytest.mark.parametrize("topology, overrides, says", [
+    (dict(mode="colocated", trainer={"tensor": 3}, rollout={"tensor": 3}), {},
+     "role 'actor' (trainer mesh {'tensor': 3}): ['embed_tokens']: dim 0 (vocab=128) does not divide over mesh axes "
+     "tensor (3 ways)"),
+    (dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"tensor": 4}), {},
+     "role 'rollout' (rollout mesh {'tensor': 4}): ['layers'][0]['self_attn']['k_proj']['kernel']: dim 1 "
+     "(kv_heads=2) does not divide over mesh axes tensor (4 ways)"),
+    (dict(mode="disaggregated", trainer={"data": 2, "fsdp": 2}, rollout={"data": 2}),
+     {"data.batch_size": 3, "rl.group_size": 2, "rollout.n_slots": 16},
+     "data.batch_size x rl.group_size / run.n_micro = 3 x 2 / 1 = 6 sequences per microbatch do not divide over the "
+     "trainer's data-parallel width 4 (mesh axes ('data', 'fsdp')): make them a multiple of 4"),
+    (dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 2}), {"run.n_micro": 3},
+     "data.batch_size x rl.group_size = 16 x 16 = 256 sequences per step do not split into run.n_micro=3 equal "
+     "microbatches"),
+])
+def test_weights_or_a_batch_that_do_not_divide_over_the_meshes_are_refused_unbuilt(topology, overrides, says):
+  """Before: found by experiment.build (the weights) or the first train step (the batch), after train.py had
+  written config.json; now from abstract shapes and the carved meshes (tests/test_cli.py: nothing written)."""
+  from jaxrl_topo.topology.carve import carve
+
+  c = _config(**overrides)
+  c.topology = topology
+  cfg = from_config_dict(c)
+  with pytest.raises(ValueError, match=re.escape(says)):
+    workdir.check_shapes(cfg, carve(cfg.topology))
+  c = _config()
+  c.topology = dict(mode="disaggregated", trainer={"data": 2, "fsdp": 2}, rollout={"data": 2, "tensor": 2})
+  cfg = from_config_dict(c)
+  workdir.check_shapes(cfg, carve(cfg.topology))  # 16 x 16 sequences over 4 ways; 4 heads, 2 kv heads over 2

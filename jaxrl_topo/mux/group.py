@@ -105,13 +105,16 @@ def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
 
 def planned_pools(jid: str, cfg: RunConfig) -> dict[str, list[int]]:
   """{"train", "rollout": device ids} the job's topology carves (as `experiment.build` will), or a ValueError
-  naming the job: e.g. too few devices (the launcher adds cli.device_hint's XLA_FLAGS hint on a CPU)."""
+  naming the job: e.g. too few devices (the launcher adds cli.device_hint's XLA_FLAGS hint on a CPU), or weights
+  or a batch that do not divide over the meshes (`workdir.check_shapes`: abstract shapes, nothing built)."""
+  from jaxrl_topo.runtime.workdir import check_shapes
   from jaxrl_topo.topology.carve import carve
 
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)  # its "N of M devices idle" warning comes again at the job's build
   try:
     topo = carve(cfg.topology)
+    check_shapes(cfg, topo)
   except ValueError as e:
     raise ValueError(f"mux: job {jid}: {e}") from None
   finally:
@@ -141,7 +144,7 @@ class Group:
   def admit(self) -> None:
     """The group's checks from the configs and the devices alone (nothing built, nothing written; the launcher
     runs them before it writes any job's files): the host-resident state fits, and every job's topology, as the
-    group runs it (disaggregated), fits the devices and carves the same two pools."""
+    group runs it (disaggregated), fits the devices and its model and batch, and carves the same two pools."""
     planned = []
     for jid, job in self.jobs.items():
       try:

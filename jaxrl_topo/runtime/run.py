@@ -65,7 +65,7 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
 def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
   # A workdir recorded under another model or data is refused before anything is read or written there.
-  workdir_lib.check_workdir(cfg, workdir, need_record=False)
+  workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
   new = not workdir_lib.has_run(workdir)
   if _main():
     workdir_lib.write_identity(cfg, workdir)

@@ -4,14 +4,17 @@ A workdir's checkpoints (and a preset's init_model/) belong to one run: its iden
 HF directory, overrides, init seed, dtype), the LoRA shape and the data (source, task). `train()` records it in
 identity.json and refuses to resume a workdir recorded under another identity, naming what differs; so does the
 launcher, which also reads the config.json of runs recorded before identity.json existed. `check_data` builds
-the prompts as `experiment.build` will, so bad data fails a launch before its workdir is touched, and
-`start_over` (--fresh) runs only after every check has passed.
+the prompts as `experiment.build` will (and refuses a batch far larger than them), `check_model` the LoRA
+targets and `check_shapes` the meshes from the model's abstract shapes, so bad data or a config the build would
+refuse fails a launch before its workdir is touched, and `start_over` (--fresh) runs only after every check has
+passed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -66,16 +69,17 @@ def recorded_identity(workdir: str) -> dict | None:
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "tokenizer.json")  # a model directory's
 
 
-def check_not_a_model(cfg: RunConfig, workdir: str) -> None:
+def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") -> None:
   """Raises ValueError when `workdir` is the run's model or reward model directory, or holds a model's files
   or a config.json that is not a run's: a run writes config.json there, and --fresh or a failed first launch
-  deletes it (RUN_FILES), so such a directory is refused before anything is written."""
+  deletes it (RUN_FILES), so such a directory is refused before anything is written. `where`: what the message
+  calls `workdir` (train.py's flag; `run.train`'s argument "workdir"; a mux job's folder)."""
   if os.path.isfile(workdir):
-    raise ValueError(f"--workdir {workdir} is a file: name a directory (made if missing)")
+    raise ValueError(f"{where} {workdir} is a file: name a directory (made if missing)")
   real = os.path.realpath(workdir)
   for key, d in (("model.hf_dir", cfg.model.hf_dir), ("reward.model_dir", cfg.reward.model_dir)):
     if d is not None and os.path.realpath(d) == real:
-      raise ValueError(f"--workdir {workdir} is {key}: a run writes its own config.json there; use another --workdir")
+      raise ValueError(f"{where} {workdir} is {key}: a run writes its own config.json there; use another directory")
   found = [n for n in MODEL_FILES if os.path.exists(os.path.join(workdir, n))]
   path = os.path.join(workdir, CONFIG_FILE)
   if not found and os.path.isfile(path):
@@ -87,8 +91,8 @@ def check_not_a_model(cfg: RunConfig, workdir: str) -> None:
     if saved is not None and not (isinstance(saved, dict) and "run" in saved and "model" in saved):
       found = [CONFIG_FILE + " (not a run's)"]
   if found:
-    raise ValueError(f"--workdir {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
-                     "changed. Use another --workdir (a run writes its own config.json there)")
+    raise ValueError(f"{where} {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
+                     "changed. Use another directory (a run writes its own config.json there)")
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:
@@ -98,11 +102,11 @@ def latest_checkpoint_step(workdir: str) -> int | None:
   return max(steps, default=None)
 
 
-def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True) -> None:
-  """Raises ValueError, naming the differences, when `workdir` is a model directory (`check_not_a_model`) or
-  holds another run, or a checkpoint past `run.steps`; nothing is changed. A run with no record (`train()`
-  before identity.json) is refused when `need_record`, else trusted."""
-  check_not_a_model(cfg, workdir)
+def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True, where: str = "--workdir") -> None:
+  """Raises ValueError, naming the differences, when `workdir` is a model directory (`check_not_a_model`, whose
+  message calls it `where`) or holds another run, or a checkpoint past `run.steps`; nothing is changed. A run
+  with no record (`train()` before identity.json) is refused when `need_record`, else trusted."""
+  check_not_a_model(cfg, workdir, where)
   if not has_run(workdir):
     return
   latest = latest_checkpoint_step(workdir)
@@ -170,9 +174,16 @@ def start_over(workdir: str) -> list[str]:
   return gone
 
 
+# A batch may hold each training prompt a few times (the pipeline repeats the reshuffled data to fill it: a toy
+# file of 4 rows under a shipped config's batch of 16 runs), not ~100 times (batch 100000 on 1000 prompts ran
+# minutes, then ran out of device memory).
+MAX_BATCH_PER_PROMPT = 8
+
+
 def check_data(cfg: RunConfig) -> None:
   """Builds the training and held-out prompts as `experiment.build` will (tokenized, length-filtered, the
-  task's distinct prompts drawn), with nothing written: their errors come before the workdir is touched."""
+  task's distinct prompts drawn), with nothing written: their errors come before the workdir is touched. A
+  `data.batch_size` over MAX_BATCH_PER_PROMPT x the training prompts kept is refused."""
   from jaxrl_topo.data import pipeline
   from jaxrl_topo.models.fresh import save_char_tokenizer
   from jaxrl_topo.models.tokenizer import Tokenizer
@@ -181,5 +192,54 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.model.hf_dir is None:  # a preset: the char tokenizer its init_model/ will hold
       save_char_tokenizer(tmp)
     tokenizer = Tokenizer.from_dir(cfg.model.hf_dir or tmp)
-    pipeline.load_prompts(cfg.data, tokenizer, "train")
+    n = pipeline.load_prompts(cfg.data, tokenizer, "train").stats.n_kept
     pipeline.load_prompts(cfg.data, tokenizer, "heldout")
+  batch, most = cfg.data.batch_size, MAX_BATCH_PER_PROMPT * n
+  if batch > most:
+    raise ValueError(f"data.batch_size={batch} is over {MAX_BATCH_PER_PROMPT} x the {n} training prompts ({most}): "
+                     f"each step would hold every prompt about {round(batch / n)} times; lower data.batch_size to "
+                     f"{most} or less ({n} or less holds each prompt at most once a step), or add prompts")
+
+
+def check_model(cfg: RunConfig) -> None:
+  """Raises ValueError when `lora.targets` (with lora.rank > 0) names a projection the model lacks, listing the
+  ones it has: from the model's config and abstract shapes alone (the build would fail after the warm-up)."""
+  if not cfg.lora.enabled:
+    return
+  from jaxrl_topo.review.bytes import param_leaves
+  from jaxrl_topo.review.step_bytes import model_config
+
+  model_cfg, name = model_config(cfg)
+  valid = sorted({leaf.path[-2] for leaf in param_leaves(model_cfg) if leaf.path[-1] == "kernel"
+                  and len(leaf.path) > 1})
+  unknown = [t for t in cfg.lora.targets if t not in valid]
+  if unknown:
+    raise ValueError(f"lora.targets {tuple(cfg.lora.targets)}: {', '.join(map(repr, unknown))} "
+                     f"{'names' if len(unknown) == 1 else 'name'} no projection of the model {name}; its projections "
+                     f"are {', '.join(valid)}")
+
+
+def check_shapes(cfg: RunConfig, topology) -> None:
+  """Raises ValueError when the model's weights do not divide over the carved `topology`'s meshes (the build's
+  `carve.check_model_fits`: heads, kv heads, mlp, vocab over `tensor`, embed over `fsdp`), or a step's
+  data.batch_size x rl.group_size sequences do not split into run.n_micro microbatches that divide over the
+  trainer's data-parallel axes (the first step's `check_batch`). From abstract shapes: nothing is compiled,
+  allocated or written."""
+  from jaxrl_topo.models.model import abstract_model
+  from jaxrl_topo.review.step_bytes import model_config
+  from jaxrl_topo.topology.carve import check_model_fits
+  from jaxrl_topo.topology.rules import TRAIN_RULES
+  from jaxrl_topo.train.step import batch_axes
+
+  _, abstract = abstract_model(model_config(cfg)[0])
+  check_model_fits(topology, abstract)
+  batch, group, n_micro = cfg.data.batch_size, cfg.rl.group_size, cfg.run.n_micro
+  seqs, axes = batch * group, batch_axes(topology.trainer, TRAIN_RULES)
+  ways = math.prod(topology.trainer.shape[a] for a in axes)
+  if seqs % n_micro:
+    raise ValueError(f"data.batch_size x rl.group_size = {batch} x {group} = {seqs} sequences per step do not split "
+                     f"into run.n_micro={n_micro} equal microbatches")
+  if (seqs // n_micro) % ways:
+    raise ValueError(f"data.batch_size x rl.group_size / run.n_micro = {batch} x {group} / {n_micro} = "
+                     f"{seqs // n_micro} sequences per microbatch do not divide over the trainer's data-parallel "
+                     f"width {ways} (mesh axes {axes}): make them a multiple of {ways}")
