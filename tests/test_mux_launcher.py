@@ -55,8 +55,9 @@ def test_each_job_is_checked_before_anything_is_written(tmp_path):
   _, three = parse_job(f"{CONFIGS}/grpo_task.py:tiny,model.overrides={{'n_layers': 3}}", [], 0)
   workdir.write_identity(check_job("0-grpo_task", three, str(tmp_path / "fresh")), str(other))
   diff = r"model.overrides: \{'n_layers': 3\} -> \{\}"
-  with pytest.raises(UserError, match=rf"^job 0-grpo_task: .*holds another run.*{diff}"):
+  with pytest.raises(UserError, match=rf"^job 0-grpo_task: .*holds another run.*{diff}") as err:
     check_job("0-grpo_task", good, str(other))
+  assert "--fresh" not in str(err.value)  # the mux launcher has no such flag
 
 
 def test_the_launcher_writes_nothing_when_a_later_job_fails_its_checks(tmp_path):

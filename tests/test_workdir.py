@@ -40,6 +40,7 @@ def test_a_script_cannot_resume_a_workdir_of_another_run(tmp_path):
     run_lib.train(changed, str(work), progress=False)
   assert "data.task: {" in str(err.value) and "'length': 4" in str(err.value) and "'length': 5" in str(err.value)
   assert "model.overrides: {} -> {'n_layers': 3}" in str(err.value)
+  assert "--fresh" not in str(err.value) and "empty this one to start over" in str(err.value)  # no such flag here
   assert sorted(p.name for p in work.rglob("*")) == before
   workdir.check_workdir(from_config_dict(_config(**{"run.steps": 7})), str(work))  # not identity: resumes
 

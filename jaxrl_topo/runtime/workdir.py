@@ -112,18 +112,24 @@ def check_workdir(cfg: RunConfig, workdir: str, *, need_record: bool = True, whe
   latest = latest_checkpoint_step(workdir)
   if latest is not None and latest > cfg.run.steps:
     raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past run.steps={cfg.run.steps}: raise "
-                     "run.steps to continue this run, or use a new --workdir (or --fresh); nothing was changed")
+                     f"run.steps to continue this run, or {_start_over(where)}; nothing was changed")
   old = recorded_identity(workdir)
   if old is None:
     if need_record:
-      raise ValueError(f"{workdir} holds checkpoints but no {CONFIG_FILE} or {IDENTITY_FILE}: use a new --workdir, "
-                       "or --fresh (--config.run.fresh=True)")
+      raise ValueError(f"{workdir} holds checkpoints but no {CONFIG_FILE} or {IDENTITY_FILE}: {_start_over(where)}")
     return
   diff = identity_diff(old, identity(cfg))
   if diff:
     raise ValueError(f"{workdir} holds another run (it was recorded with {'; '.join(diff)}); nothing was "
-                     "changed. Use a new --workdir, or --fresh (--config.run.fresh=True) to start this one over "
-                     "(deletes its checkpoints).")
+                     f"changed: {_start_over(where)}")
+
+
+def _start_over(where: str) -> str:
+  """How a caller that names its directory `where` starts over: train.py has --fresh; `run.train` and a mux
+  job do not (their directory is emptied by hand, or by `start_over`)."""
+  if where == "--workdir":
+    return "use a new --workdir, or --fresh (--config.run.fresh=True) to start this one over (deletes its checkpoints)"
+  return "use another directory, or empty this one to start over (deletes its checkpoints)"
 
 
 def check_export_out(workdir: str, out: str) -> None:
