@@ -43,12 +43,16 @@ def main():
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   max_len = args.prompt_len + 8 * args.median_len
-  short = [b for b in args.budgets.split(",") if int(b) < max_len]
+  try:
+    budgets = [int(b) for b in args.budgets.split(",")]
+  except ValueError:
+    parser.error(f"--budgets={args.budgets}: comma-separated integers, e.g. 1024,2048")
+  short = [str(b) for b in budgets if b < max_len]
   if short:  # a row must hold the longest sequence (packing never splits one)
     parser.error(f"--budgets {','.join(short)}: below the longest sequence "
                  f"(--prompt_len + 8 x --median_len = {max_len})")
   batches = [args.prompt_len + long_tail(args.seqs, args.median_len, args.sigma, rng) for _ in range(args.steps)]
-  layouts = [("padded", max_len)] + [("packed", int(b)) for b in args.budgets.split(",")]
+  layouts = [("padded", max_len)] + [("packed", b) for b in budgets]
   for layout, budget in layouts:
     fracs, shapes = [], set()
     for lengths in batches:
