@@ -1,5 +1,8 @@
 """DAPO: clip-higher, token-mean loss, dynamic sampling and soft overlong punishment, no KL.
 
+Each step makes two optimizer updates, one per half of the batch (rl.minibatches = run.n_micro = 2): with a
+single update every ratio is 1 and clip-higher would never bind (the paper makes 16 per rollout batch).
+
   python launchers/train.py --config=configs/dapo.py:tiny --workdir=/tmp/dapo
 
 Dynamic sampling drops prompt groups whose completions all got the same reward (no signal) and
@@ -19,6 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.unlock()
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.28
+  c.rl.minibatches = c.run.n_micro = 2
   c.rl.agg = "token-mean"
   c.rl.kl_coef = 0.0
   c.reward.dynamic_sampling = True

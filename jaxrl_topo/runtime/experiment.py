@@ -217,7 +217,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
 
   _, _, params = hf_io.load_model(model_dir, topology.trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   tcfg = cfg.train_config
-  tx = make_optimizer(tcfg.optim)
+  tx = make_optimizer(tcfg.optim, tcfg.loss.updates)  # the schedule counts steps, not updates
   fns = model_fns(train_graphdef)
   if warmup and cfg.run.sft_steps:
     train_examples = pipeline.load_prompts(cfg.data, tokenizer, "train").examples

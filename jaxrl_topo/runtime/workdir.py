@@ -242,6 +242,9 @@ def check_shapes(cfg: RunConfig, topology) -> None:
   batch, group, n_micro = cfg.data.batch_size, cfg.rl.group_size, cfg.run.n_micro
   seqs, axes = batch * group, batch_axes(topology.trainer, TRAIN_RULES)
   ways = math.prod(topology.trainer.shape[a] for a in axes)
+  if n_micro % cfg.rl.minibatches:
+    raise ValueError(f"rl.minibatches={cfg.rl.minibatches} does not divide run.n_micro={n_micro}: each optimizer "
+                     "update takes whole microbatches")
   if seqs % n_micro:
     raise ValueError(f"data.batch_size x rl.group_size = {batch} x {group} = {seqs} sequences per step do not split "
                      f"into run.n_micro={n_micro} equal microbatches")

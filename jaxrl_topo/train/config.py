@@ -66,6 +66,11 @@ class LossConfig:
   lam: float = 0.95
   temperature: float = 1.0  # the rollout temperature: logits are divided by it (sampling convention)
   logprob_chunk: int = 1024  # tokens per chunk of the output projection
+  # PPO's updates per batch: `epochs` passes over it, each in `minibatches` optimizer updates (whole
+  # microbatches: run.n_micro must divide by it). 1 and 1: one update, where every ratio is 1 and the clip
+  # never binds; more: the ratio is against the step's starting weights, so clip_low/clip_high act.
+  epochs: int = 1
+  minibatches: int = 1
 
   def __post_init__(self):
     if self.advantage not in ADVANTAGES:
@@ -87,12 +92,18 @@ class LossConfig:
       raise ValueError("clip_low/clip_high must be >= 0 and dual_clip > 1")
     if not self.temperature > 0 or self.logprob_chunk <= 0:
       raise ValueError("temperature must be > 0 and logprob_chunk positive")
-    check_ranges("LossConfig", self, kl_coef=">=0", entropy_coef=">=0", is_cap=">0", is_mask_low=">=0",
-                 is_mask_high=">0", value_coef=">=0", value_clip=">=0", gamma="0..1", lam="0..1")
+    check_ranges("LossConfig", self, group_size=">=1", epochs=">=1", minibatches=">=1", kl_coef=">=0",
+                 entropy_coef=">=0", is_cap=">0", is_mask_low=">=0", is_mask_high=">0", value_coef=">=0",
+                 value_clip=">=0", gamma="0..1", lam="0..1")
 
   @property
   def needs_ref(self) -> bool:
     return self.kl_coef > 0
+
+  @property
+  def updates(self) -> int:
+    """Optimizer updates per train step."""
+    return self.epochs * self.minibatches
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

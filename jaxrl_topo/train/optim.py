@@ -19,7 +19,15 @@ def learning_rate(cfg: OptimConfig) -> optax.Schedule:
   return optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
+  """The chain; with several optimizer updates a train step (rl.epochs x rl.minibatches), the schedule still
+  counts train steps (warmup_steps, total_steps): every update of a step takes that step's rate."""
   clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
-  adam = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+  per_step = learning_rate(cfg)
+
+  def per_update(count):
+    return per_step(count // updates_per_step)
+
+  adam = optax.adamw(per_step if updates_per_step == 1 else per_update, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay)
   return optax.chain(*clip, adam)

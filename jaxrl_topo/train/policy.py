@@ -21,6 +21,10 @@ from jaxrl_topo.train.logprobs import chunked_logprobs, logprobs_from_logits
 
 @dataclasses.dataclass(frozen=True)
 class PolicyFns:
+  """How the train step runs a policy: `apply(params, tokens_RS, positions_RS, segment_ids_RS) -> logits_RSV`
+  (any model), or `hidden(...) -> h_RSD` with `unembed(params) -> w_DV` (chunked log-probs, no [tokens x vocab]
+  array; a critic's value head reads `hidden`, so critics need this form: `model_fns(graphdef)`)."""
+
   apply: Callable | None = None
   hidden: Callable | None = None
   unembed: Callable | None = None

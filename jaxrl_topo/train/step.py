@@ -10,6 +10,11 @@ One step on a TrainBatch of M microbatches:
      not depend on the microbatch count, the padding/packing layout or the data-parallel width;
   4. optax update, rejected (params and optimizer state untouched, `rejected` + 1) if the loss
      or the gradient is not finite.
+With `rl.epochs` E or `rl.minibatches` K above 1 (PPO's K-epoch, minibatch updates), steps 3-4 run E x K
+times: the microbatches split into K minibatches of consecutive microbatches, each update on one (its loss
+normalised over its own tokens), every epoch over all K in order. The ratio's old policy is the step's
+starting weights (their log-probs, one more no-grad pass), so clip_low/clip_high bind from the second update
+on; advantages stay those of step 2. One step is still one version: the whole step is kept or rejected.
 The step is deterministic: nothing in it samples, so it needs no RNG. Letters as in batch.py.
 """
 
@@ -194,6 +199,46 @@ def _logprob_gap(logp_MBT, batch: TrainBatch) -> dict:
           "logprob_gap/tokens": jnp.sum(on)}
 
 
+def _accumulate(params, state: TrainState, micro: dict, extras: dict, norm, grad_fn):
+  """(grads, loss, per-token quantities) of `params` summed over the microbatches (`lax.scan`, one at a time)."""
+
+  def body(carry, xs):
+    grads_acc, loss_acc = carry
+    mb, extra = xs
+    (loss, per_token), grads = grad_fn(params, state, mb, extra, norm)
+    return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), per_token
+
+  zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+  (grads, loss), per_token_MBT = jax.lax.scan(body, zeros, (micro, extras))
+  return grads, loss, per_token_MBT
+
+
+def _updates(state: TrainState, micro: dict, extras: dict, grad_fn, lc: LossConfig, tx):
+  """lc.epochs passes of lc.minibatches optax updates (`lax.scan` over the E x K updates; K consecutive
+  microbatches each): (params, opt_state, mean loss, mean grad norm, all finite, the last pass's per-token
+  quantities [M, B, T])."""
+  K, M = lc.minibatches, micro["mask_MBT"].shape[0]
+  if M % K:
+    raise ValueError(f"rl.minibatches={K} does not divide the step's {M} microbatches (run.n_micro)")
+  mini = jax.tree.map(lambda x: x.reshape(K, M // K, *x.shape[1:]), (micro, extras))
+
+  def update(carry, i):
+    params, opt_state = carry
+    mb, extra = jax.tree.map(lambda x: x[i % K], mini)
+    m, B, T = mb["mask_MBT"].shape
+    grads, loss, per_token = _accumulate(params, state, mb, extra, normalizers(mb["mask_MBT"].reshape(m * B, T)),
+                                         grad_fn)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return (optax.apply_updates(params, updates), opt_state), (loss, grad_norm, ok, per_token)
+
+  (params, opt_state), (loss, grad_norm, ok, per_token) = jax.lax.scan(
+      update, (state.params, state.opt_state), jnp.arange(lc.updates))
+  last = jax.tree.map(lambda x: x[-K:].reshape(M, *x.shape[2:]), per_token)
+  return params, opt_state, jnp.mean(loss), jnp.mean(grad_norm), jnp.all(ok), last
+
+
 def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: TrainConfig,
                tx: optax.GradientTransformation):
   """(state, batch) -> (state, metrics): see the module docstring."""
@@ -207,22 +252,21 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
   if returns_MBT is not None:
     extras["returns"] = returns_MBT
   grad_fn = jax.value_and_grad(functools.partial(_micro_loss, fns=fns, cfg=cfg), has_aux=True)
-
-  def body(carry, xs):
-    grads_acc, loss_acc = carry
-    mb, extra = xs
-    (loss, per_token), grads = grad_fn(state.params, state, mb, extra, norm)
-    return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), per_token
-
-  zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32))
-  (grads, loss), per_token_MBT = jax.lax.scan(body, zeros, (micro, extras))
+  if lc.updates == 1:
+    grads, loss, per_token_MBT = _accumulate(state.params, state, micro, extras, norm, grad_fn)
+    start_logp_MBT = per_token_MBT["logp"]
+  else:
+    start_logp_MBT = jax.lax.stop_gradient(jax.lax.map(lambda mb: _logprobs(fns, _policy(state, state.params, cfg),
+                                                                            mb, lc)[0], micro))
+    micro = {"old_logp_MBT": start_logp_MBT, **micro}  # a proximal policy the batch carries wins
+    params, opt_state, loss, grad_norm, ok, per_token_MBT = _updates(state, micro, extras, grad_fn, lc, tx)
   metrics = _global_metrics(per_token_MBT, micro, extras, lc)
-  metrics.update(_logprob_gap(per_token_MBT["logp"], batch))
-
-  grad_norm = optax.tree.norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  metrics.update(_logprob_gap(start_logp_MBT, batch))
+  if lc.updates == 1:
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
   keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   rewards = batch.rewards_MB.reshape(-1)
   metrics.update({
@@ -256,6 +300,9 @@ def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransfor
   Batch arrays are [M, rows or sequences, ...]: dim 1 is split over the data-parallel axes, so
   the per-microbatch row/sequence counts must divide by their product (checked in `check_batch`).
   """
+  if cfg.loss.critic != "none" and fns.hidden is None:
+    raise ValueError(f"rl.critic={cfg.loss.critic!r} reads the policy's hidden states: give PolicyFns(hidden=..., "
+                     "unembed=...) (e.g. policy.model_fns(graphdef)), not apply=...")
   shardings = jax.tree.map(lambda x: x.sharding, state)
   batch_sharding = metric_sharding = None
   if mesh is not None:

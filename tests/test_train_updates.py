@@ -1,0 +1,136 @@
+"""Several optimizer updates per train step (rl.epochs x rl.minibatches, PPO's K epochs of minibatch updates).
+
+The reference is the plain one-update step run update by update: each minibatch (whole groups, so GRPO's
+advantages are its own) as a batch of its own that carries the step's starting log-probs as its proximal
+policy. The toy policy runs `train_step` op by op (train_fixtures.one_step), so each case costs no compile.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import train_fixtures as fx
+
+from jaxrl_topo.train.batch import Completion, build_batch
+from jaxrl_topo.train.config import LossConfig, OptimConfig, TrainConfig
+from jaxrl_topo.train.optim import make_optimizer
+from jaxrl_topo.train.state import create_train_state
+from jaxrl_topo.train.step import train_step
+
+N, G, RESP_LEN, ROW_LEN = 16, 4, 6, 12
+
+
+def _completions():
+  _, fns, params, _, vocab = fx.policy("toy")
+  comps = fx.ragged_completions(N, vocab)
+  sampler = fx.perturbed(fx.completion_logprobs(fns, params, comps), 0.05, seed=2)
+  comps = [Completion(c.prompt, c.response, c.reward, s) for c, s in zip(comps, sampler, strict=True)]
+  return comps, fx.completion_logprobs(fns, params, comps)  # the starting weights' log-probs
+
+
+def _batch(comps, n_micro, old=None):
+  return build_batch(comps, n_micro=n_micro, rows=len(comps) // n_micro, row_len=ROW_LEN, resp_len=RESP_LEN,
+                     pack=False, old_logp=old)
+
+
+def _step(cfg: TrainConfig, state, batch, tx):
+  with jax.disable_jit():
+    return train_step(state, batch, fns=fx.policy("toy")[1], cfg=cfg, tx=tx)
+
+
+def _fresh(cfg: TrainConfig, tx):
+  _, _, params, d_model, _ = fx.policy("toy")
+  return create_train_state(params, cfg, tx, d_model=d_model)
+
+
+@pytest.mark.parametrize("epochs, minibatches", [(2, 1), (1, 2), (2, 2)])
+def test_updates_equal_one_update_steps_on_each_minibatch_against_the_starting_policy(epochs, minibatches):
+  comps, start_logp = _completions()
+  loss = dict(group_size=G, clip_low=0.1, clip_high=0.15)
+  tx = make_optimizer(OptimConfig(lr=0.05))
+  multi = TrainConfig(loss=LossConfig(**loss, epochs=epochs, minibatches=minibatches))
+  got, metrics = _step(multi, _fresh(multi, tx), _batch(comps, n_micro=2), tx)
+
+  one = TrainConfig(loss=LossConfig(**loss))
+  state, per = _fresh(one, tx), N // minibatches
+  for _ in range(epochs):
+    for k in range(minibatches):
+      part = slice(k * per, (k + 1) * per)
+      state, _ = _step(one, state, _batch(comps[part], n_micro=2 // minibatches, old=start_logp[part]), tx)
+  fx.assert_trees_close(jax.device_get(got.params), jax.device_get(state.params), rtol=2e-5,
+                        what=f"{epochs} epochs x {minibatches} minibatches")
+  assert int(got.step) == 1 and int(got.rejected) == 0 and float(metrics["step_ok"]) == 1.0
+  # From the second update on, the ratios move off 1 and the clip acts (lr 0.05 moves them past 1 +- 0.15).
+  assert float(metrics["policy/clip_frac"]) > 0.0
+
+
+def test_with_one_update_the_clip_never_binds_and_with_two_it_does():
+  """One update: every ratio is 1, so clip_high changes nothing, to the bit. Two: it changes the step."""
+  comps, _ = _completions()
+  tx = make_optimizer(OptimConfig(lr=0.05))
+  params = {}
+  for epochs in (1, 2):
+    for clip_high in (0.15, 0.3):
+      cfg = TrainConfig(loss=LossConfig(group_size=G, clip_low=0.15, clip_high=clip_high, epochs=epochs))
+      state, _ = _step(cfg, _fresh(cfg, tx), _batch(comps, n_micro=2), tx)
+      params[epochs, clip_high] = jax.device_get(state.params)
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  assert same(params[1, 0.15], params[1, 0.3])
+  assert not same(params[2, 0.15], params[2, 0.3])
+
+
+def test_the_schedule_counts_steps_not_updates():
+  """warmup_steps=1: step 0's rate is 0 for every one of its updates (counted in updates, the second would
+  have had the full rate), so the step leaves the params as they were; step 1 moves them."""
+  comps, _ = _completions()
+  cfg = TrainConfig(loss=LossConfig(group_size=G, epochs=2, minibatches=2))
+  tx = make_optimizer(OptimConfig(lr=0.05, warmup_steps=1), updates_per_step=cfg.loss.updates)
+  state = _fresh(cfg, tx)
+  before = jax.device_get(state.params)
+  state, _ = _step(cfg, state, _batch(comps, n_micro=2), tx)
+  fx.assert_trees_close(jax.device_get(state.params), before, rtol=0.0, what="step 0 at lr 0")
+  state, _ = _step(cfg, state, _batch(comps, n_micro=2), tx)
+  assert not np.allclose(jax.tree.leaves(state.params)[0], jax.tree.leaves(before)[0])
+
+
+def test_minibatches_must_divide_the_microbatches_and_be_positive():
+  comps, _ = _completions()
+  cfg = TrainConfig(loss=LossConfig(group_size=G, minibatches=2))
+  tx = make_optimizer(OptimConfig(lr=0.05))
+  with pytest.raises(ValueError, match=r"rl.minibatches=2 does not divide the step's 1 microbatches"):
+    _step(cfg, _fresh(cfg, tx), _batch(comps, n_micro=1), tx)
+  for field in ("epochs", "minibatches"):
+    with pytest.raises(ValueError, match=rf"LossConfig.{field}=0 must be >= 1"):
+      LossConfig(group_size=G, **{field: 0})
+
+
+def test_the_dapo_config_makes_two_updates_a_step_and_a_launch_refuses_minibatches_that_do_not_divide():
+  """configs/dapo.py reaches the step with two updates (so its clip-higher binds); a launch whose run.n_micro
+  the minibatches do not divide is refused before anything is built (runtime/workdir.check_shapes)."""
+  import os
+
+  from jaxrl_topo.runtime.config import config_from_file, from_config_dict
+  from jaxrl_topo.runtime.workdir import check_shapes
+  from jaxrl_topo.topology.carve import carve
+
+  c = config_from_file(os.path.join(os.path.dirname(__file__), "..", "configs", "dapo.py"), "tiny")
+  cfg = from_config_dict(c)
+  assert (cfg.train_config.loss.epochs, cfg.train_config.loss.updates, cfg.run.n_micro) == (1, 2, 2)
+  check_shapes(cfg, carve(cfg.topology))
+  c.run.n_micro = 3
+  bad = from_config_dict(c)
+  with pytest.raises(ValueError, match=r"rl.minibatches=2 does not divide run.n_micro=3"):
+    check_shapes(bad, carve(bad.topology))
+
+
+def test_a_critic_with_an_apply_only_policy_is_refused_before_tracing():
+  """A critic reads hidden states; PolicyFns(apply=...) has none ('NoneType' object is not callable, deep in
+  tracing, before)."""
+  from jaxrl_topo.train.policy import PolicyFns
+  from jaxrl_topo.train.step import make_train_step
+
+  cfg = TrainConfig(loss=LossConfig(group_size=G, advantage="gae", critic="shared"))
+  tx = make_optimizer(OptimConfig(lr=0.05))
+  with pytest.raises(ValueError, match=r"rl.critic='shared' reads the policy's hidden states"):
+    make_train_step(PolicyFns(apply=lambda *a: None), cfg, tx, _fresh(cfg, tx))
