@@ -188,6 +188,14 @@ def test_step_bytes_from_shipped_configs():
   assert d["totals"]["collectives_per_rank"] == sb.policy_collectives["total"] + 246_720
   ppo = sb_lib.step_bytes(from_config_dict(_config("ppo_critic")))
   assert set(ppo.critic_collectives) == {"backbone", "old_values_forward", "value_head", "total"}
+  # Several updates a step (rl.epochs x rl.minibatches): each epoch runs every microbatch's forward and
+  # backward, and the old policy's log-probs are one more forward (the KL reference's 246,720 bytes' size).
+  c["rl"].update(epochs=2, minibatches=1)
+  two = sb_lib.step_bytes(from_config_dict(c))
+  assert two.reference_collectives == 2 * 246_720
+  c["rl"]["epochs"], c["run"]["n_micro"] = 1, 2  # the same microbatch passes: 2 microbatches, one epoch
+  assert two.policy_collectives == sb_lib.step_bytes(from_config_dict(c)).policy_collectives
+  assert two.policy_collectives["total"] > sb.policy_collectives["total"]
 
 
 def test_step_bytes_reads_an_hf_dir(tmp_path):

@@ -93,10 +93,14 @@ def step_bytes(run_cfg: RunConfig, *, changed_frac: float = 0.02, steps_per_hour
       rollout_param_bytes_per_device=b.per_device_shard_bytes(model_cfg, r_axes, ROLLOUT_RULES, model_cfg.dtype),
       payload=b.rollout_payload_bytes(run_cfg.data.batch_size, lc.group_size, run_cfg.data.max_prompt_len,
                                       run_cfg.rollout.max_new_tokens),
-      policy_collectives=b.gradient_collective_bytes(model_cfg, t_axes, pdt, param_dtype=pdt, n_micro=n_micro,
-                                                     lora_rank=lora.rank or None, lora_targets=lora.targets),
-      reference_collectives=b.reference_collective_bytes(model_cfg, t_axes, kl_coef=lc.kl_coef, param_dtype=pdt,
-                                                         n_micro=n_micro),
+      # rl.epochs passes run every microbatch's forward and backward again; with more than one update a step,
+      # the old policy's log-probs are one more no-grad forward, counted with the reference's.
+      policy_collectives=b.gradient_collective_bytes(model_cfg, t_axes, pdt, param_dtype=pdt,
+                                                     n_micro=n_micro * lc.epochs, lora_rank=lora.rank or None,
+                                                     lora_targets=lora.targets),
+      reference_collectives=sum(b.reference_collective_bytes(model_cfg, t_axes, kl_coef=kl, param_dtype=pdt,
+                                                             n_micro=n_micro)
+                                for kl in (lc.kl_coef, float(lc.updates > 1))),
       critic_collectives=b.critic_collective_bytes(model_cfg, t_axes, lc.critic, param_dtype=pdt, grad_dtype=pdt,
                                                    n_micro=n_micro),
       steps_per_hour=steps_per_hour)
