@@ -135,11 +135,28 @@ def _place_rows(seqs: Sequence[Completion], rows: int, row_len: int, pack: bool)
   return out
 
 
+def _check_lengths(i: int, c: Completion, old) -> None:
+  """Its old log-probs match the response (Completion checks its own fields), and its reward is a finite number
+  (a None or NaN reward made the step's loss NaN, and the step was rejected without a word)."""
+  if old is not None and len(old) != len(c.response):
+    raise ValueError(f"sequence {i}: old_logp has {len(old)} entries for {len(c.response)} response tokens")
+  try:
+    finite = np.isfinite(float(c.reward))
+  except (TypeError, ValueError):
+    finite = False
+  if not finite:
+    raise ValueError(f"sequence {i}: reward {c.reward!r} is not a finite number")
+
+
 def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, row_len: int, resp_len: int,
                 pack: bool = True, old_logp: Sequence[Sequence[float]] | None = None) -> TrainBatch:
   """Lays `completions` (group-major) out as M microbatches of `rows` rows; numpy, on the host.
   Packed: `plan_rows(...)` gives a row count and length that hold them."""
   n = len(completions)
+  if n_micro < 1 or rows < 1 or row_len < 1 or resp_len < 1:
+    raise ValueError(f"n_micro={n_micro}, rows={rows}, row_len={row_len}, resp_len={resp_len}: each must be >= 1")
+  if old_logp is not None and len(old_logp) != n:
+    raise ValueError(f"old_logp has {len(old_logp)} sequences for {n} completions")
   if n % n_micro:
     raise ValueError(f"{n} sequences do not split into n_micro={n_micro} equal microbatches")
   B = n // n_micro
@@ -157,6 +174,7 @@ def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, r
       c, (r, off) = chunk[b], placed[b]
       if len(c.response) > T:
         raise ValueError(f"sequence {m * B + b} has {len(c.response)} response tokens; resp_len is {T}")
+      _check_lengths(m * B + b, c, None if old is None else old_logp[m * B + b])
       seq = np.asarray([*c.prompt, *c.response], np.int32)
       segment_of_row[r] += 1
       sl = slice(off, off + len(seq))
