@@ -170,7 +170,11 @@ class Transformer(nnx.Module):
   def hidden(self, tokens_BT, positions_BT, segment_ids_BT=None, cache=None):
     """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache."""
     cfg, sharding = self.cfg, self.sharding
-    x_BTD = jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(cfg.dtype)
+    # The table whole along `embed` for the lookup (FSDP gathers every weight it uses): with `embed` sharded
+    # over fsdp and the rows over (data, fsdp), XLA could not turn the lookup's gradient into the table's
+    # layout and replicated the activations ("involuntary full rematerialization").
+    table_VD = constrain(self.embed_tokens[...], ("vocab", None), sharding)
+    x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(cfg.dtype)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"), sharding)
     rope = layers.rope_angles(positions_BT, cfg)
     seg_BT = None

@@ -136,16 +136,14 @@ def _place_rows(seqs: Sequence[Completion], rows: int, row_len: int, pack: bool)
 
 
 def _check_lengths(i: int, c: Completion, old) -> None:
-  """Its old log-probs match the response (Completion checks its own fields), and its reward is a finite number
-  (a None or NaN reward made the step's loss NaN, and the step was rejected without a word)."""
+  """Its old log-probs match the response (Completion checks its own fields), and its reward is a number (None
+  became a NaN reward). A NaN or infinite reward passes: the step rejects it and counts the rejection."""
   if old is not None and len(old) != len(c.response):
     raise ValueError(f"sequence {i}: old_logp has {len(old)} entries for {len(c.response)} response tokens")
   try:
-    finite = np.isfinite(float(c.reward))
+    float(c.reward)
   except (TypeError, ValueError):
-    finite = False
-  if not finite:
-    raise ValueError(f"sequence {i}: reward {c.reward!r} is not a finite number")
+    raise ValueError(f"sequence {i}: reward {c.reward!r} is not a number") from None
 
 
 def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, row_len: int, resp_len: int,
