@@ -8,8 +8,10 @@ Log-prob convention. `sample_tokens` returns, for each row, the log-probability
 
 with T = cfg.temperature (T = 1 when greedy). It is NOT renormalised over the set kept by
 top-k/top-p/min-p. That is the quantity a trainer recomputes from its own logits, so the two
-agree up to numerics; the small mass that truncation removes is absorbed by the importance
-weight pi_train / pi_rollout in the loss instead of being baked into the behaviour log-probs.
+agree up to numerics. It is not the probability the token was drawn with: under truncation that is
+p / Z_kept (Z_kept = the mass kept), so the importance weight pi_train / pi_rollout the loss sees is
+about 1 and does not correct for truncation; its samples lean towards the kept set. The defaults
+(no top-k/top-p/min-p) sample the full distribution; truncation is a choice of biased exploration.
 
 Truncation order (the one vLLM and HF use): temperature -> top-k -> top-p -> min-p.
   * top-k keeps tokens whose scaled logit is >= the k-th largest one (`lax.top_k`, k static).
