@@ -148,8 +148,15 @@ def _check_lengths(i: int, c: Completion, old) -> None:
 
 def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, row_len: int, resp_len: int,
                 pack: bool = True, old_logp: Sequence[Sequence[float]] | None = None) -> TrainBatch:
-  """Lays `completions` (group-major) out as M microbatches of `rows` rows; numpy, on the host.
-  Packed: `plan_rows(...)` gives a row count and length that hold them."""
+  """Lays `completions` (group-major) out as M = `n_micro` microbatches of `rows` rows; numpy, on the host.
+
+  rows      model rows per microbatch (R); padded: one completion per row, so len(completions) / n_micro
+  row_len   tokens per row (S): must hold a prompt plus its response (packed: several of them)
+  resp_len  response tokens per sequence in the [M, B, T] view (T): at least the longest response
+  pack      first-fit-decreasing packing into the rows (`plan_rows(...)` gives a row count and length that hold
+            them); False: one completion per row, padded
+  old_logp  per completion, one log-prob per response token of a proximal policy; None: the step's own weights
+  """
   n = len(completions)
   if n_micro < 1 or rows < 1 or row_len < 1 or resp_len < 1:
     raise ValueError(f"n_micro={n_micro}, rows={rows}, row_len={row_len}, resp_len={resp_len}: each must be >= 1")

@@ -241,7 +241,11 @@ def _updates(state: TrainState, micro: dict, extras: dict, grad_fn, lc: LossConf
 
 def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: TrainConfig,
                tx: optax.GradientTransformation):
-  """(state, batch) -> (state, metrics): see the module docstring."""
+  """(state, batch) -> (state, metrics): see the module docstring. Metrics (scalars): loss, grad_norm (means over
+  the step's updates when it makes several), lr, step_ok (0: rejected), reward/mean|std, adv/mean, tokens,
+  response_len/mean, entropy/mean, logprob_gap/max|mean|tokens, the policy loss's policy/... (clip_frac,
+  ratio_mean, ...: over the last pass when the step makes several updates), and as configured is/... (truncated
+  IS), kl/mean, value/...."""
   lc = cfg.loss
   micro = _micro(batch)
   M, B, T = batch.mask_MBT.shape
