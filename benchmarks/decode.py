@@ -327,6 +327,11 @@ def main():
   args.preset = args.preset or ("llama3-4l-256" if fixed else "tiny")
   cfg = FIXED_MODEL if args.preset == "llama3-4l-256" else get_preset(args.preset)
   cfg = dataclasses.replace(cfg, **({"dtype": args.dtype} if args.dtype else {}))
+  # The longest sequence a workload runs (pool: its longest context and chunk): a random-weight model's position
+  # limit is only recorded (rope runs past it), and the engine refuses a max_len beyond it, so raise it to fit.
+  longest = (max(int(c) for c in args.contexts.split(",")) + args.decode_chunk + 1 if args.workload == "pool"
+             else args.prompt_len + (args.new_tokens if fixed else 8 * args.median_len))
+  cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, -(-longest // args.page_size) * args.page_size))
   graphdef, params = init_params(cfg, jax.random.key(args.seed), compiled=False)  # one program: ~1 min on GPU
   params = jax.block_until_ready(jax.jit(lambda p: cast_params(p, jnp.dtype(cfg.dtype)))(params))
   w_bytes, per_tok = weight_bytes(params), kv_bytes_per_token(cfg)

@@ -94,9 +94,7 @@ def main(argv: Sequence[str]) -> None:
       multihost_utils.sync_global_devices("fresh")  # nobody reads the workdir before it is cleared
     if gone:
       print(f"--fresh: removed {', '.join(gone)} from {workdir}")
-    _CONFIG.value.run.fresh = False  # a relaunch with the saved config.json resumes; it does not wipe
-  run.save_config(_CONFIG.value, workdir)
-  summary = run.train(cfg, workdir, progress=_PROGRESS.value)
+  summary = run.train(cfg, workdir, progress=_PROGRESS.value)  # saves config.json (run.fresh=False: a relaunch resumes)
   print(f"held-out accuracy: before RL {summary['accuracy_before']:.3f}, after RL {summary['accuracy_after']:.3f} "
         f"({summary['steps']} steps, {summary['mode']}, {summary['wall_s']:.0f} s)")
 

@@ -353,3 +353,83 @@ def test_kv_dtype_sets_the_pool_dtype(tiny):
   assert bf16.state.cache.k_LPSKH.nbytes * 2 == fp32.state.cache.k_LPSKH.nbytes
   got = bf16.run([Request(p, max_new_tokens=6) for p in _prompts(2, seed=19)])
   assert all(len(s.tokens) >= 1 and all(0 <= t < TINY.vocab_size for t in s.tokens) for s in got)
+
+
+# ---------------------------------------------------------------- a new user's trial: errors before any work
+
+
+def test_requests_and_engine_config_take_plain_python_values_or_say_what_they_need():
+  """Before: stop_strings="=QQ" was iterated per character (a sample stopped at "="); prompt_ids="text" failed
+  with "'<' not supported between 'str' and 'int'"; EngineConfig(eos_ids=5) failed after compiling ("argument of
+  type 'int' is not iterable") and a list of eos ids was unhashable (a static argument of the jitted programs)."""
+  assert Request([1, 2], stop_strings="=QQ").stop_strings == ("=QQ",)  # one str: one stop string
+  assert Request([1, 2], stop_strings=["a", "b"], stop_ids=7).stop_strings == ("a", "b")
+  assert Request([1, 2], stop_ids=7).stop_ids == (7,) and Request(np.array([1, 2])).stop_ids == ()
+  with pytest.raises(ValueError, match=r"^Request.prompt_ids must be a sequence of ints \(token ids\), got str 'text'"):
+    Request("text")
+  with pytest.raises(ValueError, match="Request.prompt_ids must be a sequence of ints"):
+    Request([1.5, 2.0])
+  with pytest.raises(ValueError, match="^Request.stop_strings must be a str or a sequence of str, got"):
+    Request([1], stop_strings=("a", 3))
+  assert EngineConfig(eos_ids=5).eos_ids == (5,)
+  ecfg = EngineConfig(eos_ids=[2, np.int64(3)])
+  assert ecfg.eos_ids == (2, 3) and type(ecfg.eos_ids[1]) is int and hash(ecfg)
+  with pytest.raises(ValueError, match=r"^EngineConfig.eos_ids='2' must be a token id or a sequence of token ids"):
+    EngineConfig(eos_ids="2")
+  with pytest.raises(ValueError, match=r"^EngineConfig.eos_ids=\(2.0,\) must be a token id"):
+    EngineConfig(eos_ids=(2.0,))
+
+
+def test_sequences_past_the_models_position_limit_are_refused_before_any_work(tiny):
+  """tiny's max_position_embeddings is 512. Before: EngineConfig(max_len=4096) generated 600 tokens (positions past
+  the limit, silently) and generate_ids took a 570-token prompt. A max_len the limit rounded up to a page passes (a
+  run's prompt + completion in whole pages); each request is then held to the limit itself."""
+  graphdef, params = tiny
+  with pytest.raises(ValueError, match=r"^EngineConfig.max_len=4096 > the model's position limit 512 "
+                                       r"\(max_position_embeddings\): lower max_len to 512 or less$"):
+    _engine(graphdef, params, max_len=4096, n_pages=2048)
+  cfg = dataclasses.replace(TINY, max_position=30)  # not a whole number of 4-token pages
+  eng = RolloutEngine(graphdef, cfg, params, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=32))
+  with pytest.raises(ValueError, match=r"^request 0: prompt 28 \+ max_new_tokens 3 > the model's position limit 30 "):
+    eng.run([Request([5] * 28, max_new_tokens=3)])
+  with pytest.raises(ValueError, match="max_len=36 > the model's position limit 30"):
+    RolloutEngine(graphdef, cfg, params, EngineConfig(n_slots=4, page_size=4, n_pages=64, max_len=36))
+  decode = DecodeConfig(max_new_tokens=16)
+  for impl in ("paged", "dense"):
+    with pytest.raises(ValueError, match=r"^prompt 1: its 570 tokens \+ max_new_tokens 16 > the model's position "
+                                         r"limit 512 \(max_position_embeddings\)$"):
+      generate_ids(graphdef, params, [[5, 6], [5] * 570], decode, impl=impl)
+    assert generate_ids(graphdef, params, [], decode, impl=impl) == []  # as engine.run([]); was "max() arg is empty"
+  assert _engine(graphdef, params).run([]) == []
+
+
+def test_update_weights_refuses_params_the_engine_cannot_run_naming_the_leaf(tiny):
+  """Before: a mis-shaped or incomplete tree, another dtype, or weights on other devices were taken, and failed
+  (or silently recompiled) at the engine's next chunk; now update_weights refuses them from their metadata."""
+  graphdef, params = tiny
+  eng = _engine(graphdef, params)
+  layer = "['layers'][0]['mlp']['up_proj']['kernel']"
+
+  def changed(**layer0_mlp):
+    new = jax.tree.map(lambda x: x, params)
+    new["layers"][0]["mlp"] = {**new["layers"][0]["mlp"], **layer0_mlp}
+    return new
+
+  cases = [
+      (changed(up_proj={"kernel": jnp.zeros((64, 64))}),
+       f"update_weights: {layer} is float32 [64, 64] in the new params, float32 [64, 128] in the engine's"),
+      (changed(up_proj={"kernel": params["layers"][0]["mlp"]["up_proj"]["kernel"].astype(jnp.bfloat16)}),
+       f"update_weights: {layer} is bfloat16 [64, 128] in the new params, float32 [64, 128] in the engine's"),
+      ({k: v for k, v in params.items() if k != "norm"}, "update_weights: the new params lack ['norm']['weight']"),
+      (changed(extra={"kernel": jnp.zeros(3)}),
+       "update_weights: the new params hold ['layers'][0]['mlp']['extra']['kernel'], which the engine's do not"),
+      (jax.device_put(params, jax.devices()[1]),
+       "update_weights: ['embed_tokens'] lies on devices [1] in the new params, on [0] in the engine's"),
+  ]
+  for new, says in cases:
+    with pytest.raises(ValueError) as err:
+      eng.update_weights(new, gen_id=1)
+    assert str(err.value).startswith(says), str(err.value)
+  assert eng.gen_id == 0 and eng.params is params and eng.stats["weight_updates"] == 0
+  eng.update_weights(jax.tree.map(lambda x: x * 1.01, params), gen_id=1)  # same tree, shapes, dtypes, devices
+  assert eng.gen_id == 1

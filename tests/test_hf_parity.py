@@ -120,6 +120,28 @@ def test_bf16_checkpoint_loads_exactly_into_fp32(tmp_path):
   np.testing.assert_array_equal(got, want)
 
 
+def test_save_model_ships_the_tokenizer_it_is_given(tmp_path):
+  """A policy saved from a user's own loop: before, only config.json and the weights were written, so
+  Tokenizer.from_dir (generate, serve) could not load it. tokenizer_dir= copies the tokenizer files run.export
+  copies; a directory without tokenizer.json is refused before anything is written."""
+  from jaxrl_topo.models.fresh import write_fresh_model
+  from jaxrl_topo.models.presets import get_preset
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
+  src, out, bare = str(tmp_path / "src"), str(tmp_path / "policy"), str(tmp_path / "bare")
+  write_fresh_model(src, get_preset("tiny"))
+  cfg, _, params = hf_io.load_model(src, dtype="float32")
+  hf_io.save_model(out, cfg, params, tokenizer_dir=src)
+  assert "tokenizer.json" in hf_io.tokenizer_files(src) and hf_io.tokenizer_files(out) == hf_io.tokenizer_files(src)
+  want, got = Tokenizer.from_dir(src), Tokenizer.from_dir(out)
+  assert got.encode("reverse abcd=") == want.encode("reverse abcd=") and got.eos_token_ids == want.eos_token_ids
+  hf_io.save_model(bare, cfg, params)  # no tokenizer_dir: weights and config only, as before
+  assert sorted(os.listdir(bare)) == ["config.json", "model.safetensors"]
+  with pytest.raises(FileNotFoundError, match=f"^tokenizer_dir={bare}: no tokenizer.json there; nothing was written"):
+    hf_io.save_model(str(tmp_path / "x"), cfg, params, tokenizer_dir=bare)
+  assert not os.path.exists(tmp_path / "x")
+
+
 # --- bad checkpoints: every error names the tensor -------------------------------------------
 
 

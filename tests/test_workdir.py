@@ -5,6 +5,7 @@ script resumed a workdir of another model or task (a 2-layer init_model under a 
 task with too few distinct prompts, every prompt over max_prompt_len) failed inside `build`, after config.json
 and init_model/ were written, and --fresh deleted the old run before any of that was checked."""
 
+import dataclasses
 import json
 import os
 import re
@@ -238,3 +239,43 @@ def test_weights_or_a_batch_that_do_not_divide_over_the_meshes_are_refused_unbui
   c.topology = dict(mode="disaggregated", trainer={"data": 2, "fsdp": 2}, rollout={"data": 2, "tensor": 2})
   cfg = from_config_dict(c)
   workdir.check_shapes(cfg, carve(cfg.topology))  # 16 x 16 sequences over 4 ways; 4 heads, 2 kv heads over 2
+
+
+@pytest.mark.parametrize("topology, overrides, says", [
+    (dict(mode="disaggregated", trainer={"fsdp": 8}, rollout={"data": 4}), {},
+     "disaggregated topology needs 12 devices: trainer 8 + rollout 4; only 8 exist"),
+    (dict(mode="colocated", trainer={"tensor": 3}, rollout={"tensor": 3}), {}, "does not divide over mesh axes tensor"),
+    (None, {"rollout.max_new_tokens": 1000}, "data.max_prompt_len + rollout.max_new_tokens = 16 + 1000 = 1016 > the "
+     "model's position limit 512 (max_position_embeddings): lower one of them"),
+])
+def test_a_script_whose_run_cannot_fit_writes_nothing(tmp_path, topology, overrides, says):
+  """run.train with a topology the devices or the weights do not fit: before, identity.json was written first (the
+  README promises these errors come before the workdir is touched). Prompt + response past the model's position
+  limit: before, the run trained on positions past it (only launchers/train.py checked)."""
+  c = _config(**overrides)
+  if topology is not None:
+    c.topology = topology
+  work = tmp_path / "w"
+  with pytest.raises(ValueError, match=re.escape(says)):
+    run_lib.train(from_config_dict(c), str(work), progress=False)
+  assert not work.exists()
+
+
+def test_a_scripts_run_saves_its_config_for_export(tmp_path, monkeypatch):
+  """run.train (the README's script path) writes config.json as the launcher did, before the build: before, only
+  launchers/train.py saved it, and `run.export(workdir, out)` after a script's run failed with 'config.json not
+  found: is ... a run directory of launchers/train.py?'. It reads back as the run's config, run.fresh=False."""
+  from jaxrl_topo.runtime import experiment
+
+  seen = {}
+
+  def build(cfg, workdir, **kw):  # stands in for the (compiling) build: what is on disk by then
+    seen["config"] = run_lib.load_config(workdir)
+    raise RuntimeError("stop before compiling")
+
+  monkeypatch.setattr(experiment, "build", build)
+  cfg = from_config_dict(_config(**{"run.fresh": True, "lora.rank": 4, "model.overrides": {"n_layers": 3}}))
+  with pytest.raises(RuntimeError, match="stop before compiling"):
+    run_lib.train(cfg, str(tmp_path / "w"), progress=False)
+  assert seen["config"] == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))
+  assert not (tmp_path / "w" / "config.json").exists()  # a run that never started leaves nothing behind

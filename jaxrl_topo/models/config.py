@@ -47,7 +47,7 @@ class ModelConfig:
   qkv_bias: bool = False
   o_bias: bool = False
   qk_norm: bool = False
-  max_position: int = 4096  # longest sequence the model was trained for (recorded, not enforced)
+  max_position: int = 4096  # longest sequence the model was trained for: the engine and generate refuse longer ones
   dtype: str = "bfloat16"  # compute dtype of matmuls; norms, softmax and logits are always fp32
   param_dtype: str = "float32"  # storage dtype of parameters (fp32 master weights for training)
   # How training attends (models/attention.py): "flash" (blockwise, O(T) memory), "reference" (dense

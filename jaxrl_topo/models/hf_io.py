@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -278,12 +279,26 @@ def _host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+# A model directory's tokenizer: tokenizer.json (what Tokenizer.from_dir reads), its config, special tokens, chat
+# template, and generation_config.json (EOS ids).
+TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "chat_template", "generation_config")
+
+
+def tokenizer_files(model_dir: str) -> list[str]:
+  """The names of `model_dir`'s tokenizer files (TOKENIZER_PREFIXES)."""
+  return sorted(f for f in os.listdir(model_dir) if f.startswith(TOKENIZER_PREFIXES))
+
+
 def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str | None = None,
                max_shard_bytes: int = 4 << 30, bos_token_id: int | None = None,
                eos_token_id: int | list[int] | None = None,
-               progress: Callable[[str], None] | None = None) -> None:
+               progress: Callable[[str], None] | None = None, tokenizer_dir: str | None = None) -> None:
   """Writes `params` as an HF directory that `transformers` loads. Call from every process;
-  process 0 writes. `dtype` defaults to cfg.param_dtype."""
+  process 0 writes. `dtype` defaults to cfg.param_dtype. `tokenizer_dir`: a model directory whose tokenizer files
+  (tokenizer*.json, special tokens, chat template, generation_config.json: `tokenizer_files`) are copied in last,
+  so `Tokenizer.from_dir(model_dir)` (generate, serve) loads the saved policy; without it, no tokenizer is written."""
+  if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+    raise FileNotFoundError(f"tokenizer_dir={tokenizer_dir}: no tokenizer.json there; nothing was written")
   dtype = dtype or cfg.param_dtype
   np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
   tensors = {}
@@ -314,6 +329,9 @@ def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str |
   if eos_token_id is not None or bos_token_id is not None:
     gen = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
     _write_json(os.path.join(model_dir, "generation_config.json"), gen)
+  if tokenizer_dir is not None and os.path.realpath(tokenizer_dir) != os.path.realpath(model_dir):
+    for name in tokenizer_files(tokenizer_dir):
+      shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
 
 
 def _drop_stale_weights(model_dir: str, names: list[str]) -> None:

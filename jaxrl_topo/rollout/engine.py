@@ -34,7 +34,7 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
-from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES, EngineConfig
+from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES, EngineConfig, check_fits_model, check_update
 from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave, count_chunk, window_pages
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
@@ -62,6 +62,7 @@ class RolloutEngine:
 
   def __init__(self, graphdef, cfg: ModelConfig, params, ecfg: EngineConfig, *, gen_id: int = 0, seed: int = 0,
                mesh: jax.sharding.Mesh | None = None, detokenize: Callable[[Sequence[int]], str] | None = None):
+    check_fits_model(ecfg, cfg)  # before anything is allocated or compiled
     self.graphdef, self.cfg, self.ecfg = graphdef, cfg, ecfg
     self._static = device.Static(graphdef)
     self.params, self.gen_id, self.detokenize = params, gen_id, detokenize
@@ -133,11 +134,10 @@ class RolloutEngine:
                         so far) under the new weights, then continue
     Tokens keep the gen_id they were sampled under. Outside `run`, every policy swaps at once.
     Inside `run` with overlap, the chunk already dispatched still runs on the old weights."""
-    if policy not in UPDATE_POLICIES:
-      raise ValueError(f"update policy {policy!r}; expected one of {UPDATE_POLICIES}")
     newest = self._pending.gen_id if self._pending else self.gen_id
     if gen_id <= newest:
       raise ValueError(f"gen_id must increase: engine holds {newest}, got {gen_id}")
+    check_update(self.params, params, policy)  # the policy; tree, shapes, dtypes, devices: now, not at the next chunk
     self._pending = _Pending(params, gen_id, policy)
     if not self._running:
       self._swap()

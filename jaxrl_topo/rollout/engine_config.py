@@ -6,7 +6,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jaxrl_topo.rollout.host_state import _pow2
+from jaxrl_topo.rollout.requests import token_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 KV_DTYPES = ("float32", "bfloat16", "float16")  # what the KV pool may hold
@@ -27,7 +30,7 @@ class EngineConfig:
   # (one per width: at 4-token pages and 64-token rows, one instead of five); 0 = bucketed's widths from 1 page
   min_window_tokens: int = 64
   sampling: SamplingConfig = SamplingConfig(greedy=True)
-  eos_ids: tuple[int, ...] = ()
+  eos_ids: tuple[int, ...] = ()  # one int is read as one id; a list becomes a tuple
   pad_id: int = 0
   kv_dtype: str | None = None  # KV pool dtype; None = the model's compute dtype
   overlap: bool = True  # run(): dispatch chunk k+1 before reading chunk k (scheduler.py)
@@ -55,6 +58,7 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.min_pack_rows={self.min_pack_rows} must be >= 2")
     if self.tail_chunk < 0 or self.max_chunk < 0:
       raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
+    object.__setattr__(self, "eos_ids", token_ids(self.eos_ids, "EngineConfig.eos_ids"))
 
   @property
   def max_pages_per_seq(self) -> int:
@@ -74,6 +78,50 @@ class EngineConfig:
   def chunk_capacity(self) -> int:
     """Rows of a chunk's outputs: the longest chunk the engine dispatches (every length runs one program)."""
     return max(self.decode_chunk, self.tail_steps, self.max_chunk)
+
+
+def check_fits_model(ecfg: EngineConfig, cfg) -> None:
+  """Refuses a max_len past the model's position limit (ModelConfig.max_position, config.json's
+  max_position_embeddings; no check where it is None). A max_len the limit rounded up to a page passes: a run's
+  prompt + completion tokens rounded to pages; `check_requests` holds every request to the limit itself."""
+  limit = getattr(cfg, "max_position", None)
+  if limit and ecfg.max_len > -(-limit // ecfg.page_size) * ecfg.page_size:
+    raise ValueError(f"EngineConfig.max_len={ecfg.max_len} > the model's position limit {limit} "
+                     f"(max_position_embeddings): lower max_len to {limit} or less")
+
+
+def check_update(old, new, policy: str) -> None:
+  """RolloutEngine.update_weights' `policy`, and its `new` params against the engine's `old` ones from metadata only
+  (nothing is read or waited for): the same tree, each leaf's shape and dtype, an array on the same devices. The
+  first difference is a ValueError naming the leaf's path."""
+  if policy not in UPDATE_POLICIES:
+    raise ValueError(f"update policy {policy!r}; expected one of {UPDATE_POLICIES}")
+  if old is None:  # the engine's weights were handed away (mux): nothing to compare
+    return
+  have, got = ({jax.tree_util.keystr(p) or "(the root)": x for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+               for t in (old, new))
+  for path, a in have.items():
+    if path not in got:
+      raise ValueError(f"update_weights: the new params lack {path}")
+    b = got[path]
+    meta = [(getattr(x, "shape", None), getattr(x, "dtype", None)) for x in (a, b)]
+    if meta[0] != meta[1]:
+      raise ValueError(f"update_weights: {path} is {_spell(*meta[1])} in the new params, {_spell(*meta[0])} in the "
+                       "engine's")
+    if isinstance(a, jax.Array) and isinstance(b, jax.Array) and a.sharding.device_set != b.sharding.device_set:
+      raise ValueError(f"update_weights: {path} lies on devices {_ids(b)} in the new params, on {_ids(a)} in the "
+                       "engine's: put them on the engine's devices (e.g. jax.device_put(params, shardings))")
+  extra = [path for path in got if path not in have]
+  if extra:
+    raise ValueError(f"update_weights: the new params hold {extra[0]}, which the engine's do not")
+
+
+def _spell(shape, dtype) -> str:
+  return f"{dtype} {list(shape)}" if shape is not None else f"{dtype} (no shape)"
+
+
+def _ids(x: jax.Array) -> list[int]:
+  return sorted(d.id for d in x.sharding.device_set)
 
 
 def engine_options(options: Mapping[str, Any] | None, set_by_caller: Sequence[str], who: str) -> dict[str, Any]:

@@ -102,16 +102,26 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
   impl="paged" runs the rollout engine (continuous batching over `batch_size` slots, a KV pool
   big enough that nothing is ever preempted; `read`: its paged decode read, EngineConfig.impl;
   `engine`: other EngineConfig knobs by name, e.g. {"kv_dtype": "bfloat16", "min_pack_rows": 4});
-  impl="dense" the reference decoder in fixed batches. Both draw the same keys, so they give the same tokens."""
+  impl="dense" the reference decoder in fixed batches. Both draw the same keys, so they give the same tokens.
+  No prompts: no completions (as RolloutEngine.run([])). A prompt whose length + decode.max_new_tokens passes the
+  model's position limit (max_position_embeddings) is refused before anything compiles."""
   engine = engine_knobs(engine)
+  if impl not in ("paged", "dense"):
+    raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
+  if not prompts:
+    return []
+  cfg = nnx.merge(graphdef, params).cfg
   for i, p in enumerate(prompts):
+    if not len(p):
+      raise ValueError(f"prompt {i} is empty")
     if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
       raise ValueError(f"prompt {i}: token ids must lie in [0, {vocab_size})")
+    if cfg.max_position and len(p) + decode.max_new_tokens > cfg.max_position:
+      raise ValueError(f"prompt {i}: its {len(p)} tokens + max_new_tokens {decode.max_new_tokens} > the model's "
+                       f"position limit {cfg.max_position} (max_position_embeddings)")
   if impl == "paged":
-    return _generate_paged(graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
+    return _generate_paged(cfg, graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
                            progress=progress, page_size=page_size, read=read, engine=engine)
-  if impl != "dense":
-    raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
   batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
   key = jax.random.key(seed)
@@ -140,9 +150,8 @@ def engine_knobs(engine: Mapping[str, Any] | None) -> dict[str, Any]:
   return engine_options(engine, _SET_HERE, "generation")
 
 
-def _generate_paged(graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress, page_size,
-                    read: str, engine: dict[str, Any]):
-  cfg = nnx.merge(graphdef, params).cfg
+def _generate_paged(cfg, graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress,
+                    page_size, read: str, engine: dict[str, Any]):
   max_len = -(-(max(map(len, prompts)) + decode.max_new_tokens) // page_size) * page_size
   ecfg = EngineConfig(n_slots=n_slots, page_size=page_size, n_pages=n_slots * (max_len // page_size),
                       max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,

@@ -8,6 +8,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
   from jaxrl_topo.rollout.engine import RolloutEngine
 
@@ -17,26 +19,63 @@ MAX_STOP_IDS = 4  # per-request stop ids beyond eos_ids (static width of the dev
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+  """A prompt and how to sample it.
+
+  prompt_ids: the prompt's token ids, a sequence of ints [T]. n: samples drawn from it (a GRPO group: they share
+  the prompt's pages). max_new_tokens: the most tokens each sample generates. stop_ids: tokens that end a sample
+  besides EngineConfig.eos_ids (at most MAX_STOP_IDS; one int is read as one id). stop_strings: a sample ends once
+  its text contains one (needs an engine with detokenize=); one str is one stop string, not one per character.
+  max_turns > 0: an episode (episodes.py) of at most this many model turns; max_new_tokens then bounds every token
+  after the prompt, the model's and the environment's."""
+
   prompt_ids: Sequence[int]
-  n: int = 1  # samples (a GRPO group shares the prompt's pages)
+  n: int = 1
   max_new_tokens: int = 64
-  stop_ids: tuple[int, ...] = ()  # extra stop tokens besides the engine's eos_ids
-  stop_strings: tuple[str, ...] = ()  # stop once the completion's text contains one (needs detokenize)
-  # > 0: an episode (episodes.py) of at most this many model turns; max_new_tokens then bounds every
-  # token after the prompt, the model's and the environment's
+  stop_ids: tuple[int, ...] = ()
+  stop_strings: tuple[str, ...] = ()
   max_turns: int = 0
+
+  def __post_init__(self):
+    ids = None if isinstance(self.prompt_ids, str) else np.asarray(self.prompt_ids)
+    if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+      raise ValueError(f"Request.prompt_ids must be a sequence of ints (token ids), got "
+                       f"{type(self.prompt_ids).__name__} {str(self.prompt_ids)[:40]!r}")
+    stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+    if not all(isinstance(s, str) for s in stops):
+      raise ValueError(f"Request.stop_strings must be a str or a sequence of str, got {self.stop_strings!r}")
+    object.__setattr__(self, "stop_strings", stops)
+    object.__setattr__(self, "stop_ids", token_ids(self.stop_ids, "Request.stop_ids"))
 
 
 @dataclasses.dataclass
 class Sample:
+  """One finished sample: the `index`-th of the n samples of request `request` (its place in the batch).
+
+  tokens [L]: the completion's token ids, the stop token included when one ended it (a stop string cuts right after
+  the token that completed it). logprobs [L]: each token's log-probability under the sampler,
+  log_softmax(logits / temperature)[token] over the full vocabulary, temperature 1 when greedy (rollout/sampling.py).
+  gen_ids [L]: the weights version (RolloutEngine.update_weights) each token was sampled under. finish_reason:
+  "stop" (an eos id, a stop id or a stop string) or "length" (max_new_tokens reached); episodes also "turns"
+  (max_turns) or the environment's own reason. loss_mask [L]: 1 sampled, 0 appended by the environment (episodes).
+  turns: model turns ended (episodes)."""
+
   request: int
-  index: int  # which of the request's n samples
+  index: int
   tokens: list[int]
   logprobs: list[float]
   gen_ids: list[int]
-  finish_reason: str = ""  # "stop" | "length"; episodes also "turns" (turn limit) or the environment's reason
-  loss_mask: list[int] = dataclasses.field(default_factory=list)  # per token: 1 sampled, 0 appended (episodes)
-  turns: int = 0  # model turns ended (episodes)
+  finish_reason: str = ""
+  loss_mask: list[int] = dataclasses.field(default_factory=list)
+  turns: int = 0
+
+
+def token_ids(value, where: str) -> tuple[int, ...]:
+  """`value` (a token id, or a sequence of them) as a tuple of ints; anything else is a ValueError naming `where`."""
+  ids = (value,) if isinstance(value, int | np.integer) else value
+  if isinstance(ids, str) or not isinstance(ids, Sequence | np.ndarray) or not all(
+      isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+    raise ValueError(f"{where}={value!r} must be a token id or a sequence of token ids (ints)")
+  return tuple(int(i) for i in ids)
 
 
 def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
@@ -48,6 +87,10 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
       raise ValueError(f"request {r}: needs a non-empty prompt, max_new_tokens > 0 and n > 0")
     if n + req.max_new_tokens > e.max_len:
       raise ValueError(f"request {r}: prompt {n} + max_new_tokens {req.max_new_tokens} > max_len {e.max_len}")
+    limit = getattr(eng.cfg, "max_position", None)  # max_len may round the limit up to a page (check_fits_model)
+    if limit and n + req.max_new_tokens > limit:
+      raise ValueError(f"request {r}: prompt {n} + max_new_tokens {req.max_new_tokens} > the model's position limit "
+                       f"{limit} (max_position_embeddings)")
     if req.n > e.n_slots:
       raise ValueError(f"request {r}: n={req.n} samples need as many decode slots; the engine has {e.n_slots}")
     pool = eng.pool  # a group lives in one data shard: its pages, at most its slots at once

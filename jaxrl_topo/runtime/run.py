@@ -2,6 +2,7 @@
 
 `<workdir>` afterwards holds:
   identity.json      the model and data its checkpoints belong to (runtime/workdir.py; another run's is refused)
+  config.json        the run's config (config_dict): export, review and a relaunch read it back
   init_model/        the random-init HF directory (preset runs only)
   checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
   metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
@@ -55,7 +56,9 @@ RUN_FIGURES = ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s")
 
 
 def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
-  """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary."""
+  """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary. Nothing is written there
+  until the workdir, the devices and the meshes pass their checks; then identity.json and config.json (so
+  `export(workdir, out)` reads the run back)."""
   if cfg.model.matmul_precision == "default":
     return _train(cfg, workdir, progress=progress)
   with jax.default_matmul_precision(cfg.model.matmul_precision):  # every program the run traces
@@ -66,12 +69,16 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
   # A workdir recorded under another model or data is refused before anything is read or written there.
   workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
+  topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
+  workdir_lib.check_shapes(cfg, topology)
+  _check_positions(cfg)
   new = not workdir_lib.has_run(workdir)
   if _main():
     workdir_lib.write_identity(cfg, workdir)
+    save_config(config_dict(cfg), workdir)  # what export, review and a relaunch read back (load_config)
   # Only the processes holding trainer devices hold (and save) the train state; the others learn the
   # checkpoint's step and meta from the lowest of them, and keep their shard-less state arrays.
-  holders = frozenset(d.process_index for d in carve(cfg.topology).trainer.devices.flat)
+  holders = frozenset(d.process_index for d in topology.trainer.devices.flat)
   ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints, processes=holders)
           if jax.process_index() in holders else None)
   latest = hostcomm.broadcast(ckpt.latest_step() if ckpt else None, src=min(holders))
@@ -129,6 +136,18 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if ckpt is not None:
       ckpt.close()
     exp.close()
+
+
+def _check_positions(cfg: RunConfig) -> None:
+  """Prompt + response past the model's position limit is refused naming the run's keys (launchers/train.py's
+  preflight says the same; the engine would refuse its max_len, a value the config does not name)."""
+  from jaxrl_topo.review.step_bytes import model_config
+
+  limit, need = model_config(cfg)[0].max_position, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  if limit and need > limit:
+    raise ValueError(f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + "
+                     f"{cfg.rollout.max_new_tokens} = {need} > the model's position limit {limit} "
+                     "(max_position_embeddings): lower one of them")
 
 
 def _main() -> bool:
@@ -211,13 +230,32 @@ def read_spans(workdir: str) -> list[dict]:
 # ---------------------------------------------------------------- the run's config on disk, and export
 
 def save_config(config, workdir: str) -> None:
-  """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back."""
+  """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back. `train()` writes
+  the RunConfig's own (`config_dict`); mux jobs, which do not go through it, save theirs here."""
   if _main():  # replaced whole: another process checking the workdir never reads half a file
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
     with open(path + ".tmp", "w") as f:
-      f.write(config.to_json(indent=2))
+      f.write(config.to_json(indent=2) if hasattr(config, "to_json") else json.dumps(config, indent=2))
     os.replace(path + ".tmp", path)
+
+
+def config_dict(cfg: RunConfig) -> dict:
+  """`cfg` as the plain dict `from_config_dict` reads back to an equal RunConfig (JSON-ready: tuples as lists),
+  with run.fresh=False: a relaunch from the saved config resumes, it does not start over."""
+  def plain(x):
+    if dataclasses.is_dataclass(x):
+      return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+    if isinstance(x, dict):
+      return {k: plain(v) for k, v in x.items()}
+    return [plain(v) for v in x] if isinstance(x, tuple | list) else x
+
+  t = cfg.topology
+  out = {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "topology"}
+  out["run"]["fresh"] = False
+  out["topology"] = {"mode": t.mode, "trainer": dict(t.trainer_axes), "rollout": dict(t.rollout_axes),
+                     "reward_devices": t.reward_devices, "roles": dict(t.roles or ())}
+  return out
 
 
 def load_config(workdir: str) -> RunConfig:
@@ -225,15 +263,13 @@ def load_config(workdir: str) -> RunConfig:
 
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir} a run directory of launchers/train.py?")
+    raise FileNotFoundError(f"{path} not found: is {workdir} the workdir of a run (run.train, launchers/train.py)?")
   with open(path) as f:
     return from_config_dict(json.load(f))
 
 
 def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | None = None) -> int:
   """Writes the policy of checkpoint `step` (default: newest) as an HF directory; returns the step."""
-  import shutil
-
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.topology.rules import TRAIN_RULES
   from jaxrl_topo.train.optim import make_optimizer
@@ -254,12 +290,7 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   if cfg.lora.enabled:
     from jaxrl_topo.train.lora import merge_lora
     policy = merge_lora(state.frozen, policy, cfg.lora)
-  tokenizer_files = [f for f in os.listdir(model_dir) if f.startswith(("tokenizer", "special_tokens", "chat_template",
-                                                                      "generation_config"))]
   with open(os.path.join(model_dir, "config.json")) as f:
     eos = json.load(f).get("eos_token_id")
-  hf_io.save_model(out_dir, model_cfg, policy, dtype=dtype, eos_token_id=eos)
-  if _main():
-    for name in tokenizer_files:
-      shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+  hf_io.save_model(out_dir, model_cfg, policy, dtype=dtype, eos_token_id=eos, tokenizer_dir=model_dir)
   return step
