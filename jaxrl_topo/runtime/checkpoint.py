@@ -210,9 +210,14 @@ class Checkpointer:
       self._pending = None  # a failed save is reported once; orbax dropped it from its listing
 
   def close(self) -> None:
-    """wait(), then closes the manager."""
+    """wait(), then closes the manager, once its start-up clean-up of tmp directories is done too: orbax's close()
+    leaves that thread running, and a Checkpointer closed right after it opened (a build that fails at once) had
+    it fail at interpreter exit ('cannot schedule new futures after interpreter shutdown')."""
     try:
       self.wait()
+      cleanup = getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", None)  # private in orbax 0.11
+      if cleanup is not None:
+        cleanup()
     finally:
       self._mngr.close()
 
