@@ -33,31 +33,17 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its c
 def preflight(cfg) -> None:
   """What can be checked without JAX devices, before the workdir is touched: the model directory,
   the prompt files, the reward functions, and prompt + response against the model's position limit."""
-  import dataclasses
-
   from jaxrl_topo.envs import rewards
-  from jaxrl_topo.models.presets import get_preset
+  from jaxrl_topo.runtime.workdir import check_positions
 
-  if cfg.model.hf_dir is not None:
-    if not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
-      raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there (expected a local "
-                              "Hugging Face model directory)")
-    from jaxrl_topo.models import hf_io
-    max_position = hf_io.read_config(cfg.model.hf_dir).max_position
-  else:
-    try:
-      max_position = dataclasses.replace(get_preset(cfg.model.preset), **cfg.model.overrides).max_position
-    except TypeError as e:
-      raise ValueError(f"model.overrides: {e}") from None
+  if cfg.model.hf_dir is not None and not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
+    raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there (expected a local "
+                            "Hugging Face model directory)")
   for key in ("source", "eval_source"):
     src = getattr(cfg.data, key)
     if src is not None and not (key == "source" and cfg.data.is_task) and not os.path.isfile(src):
       raise FileNotFoundError(f"data.{key}={src!r}: no such file")
-  need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-  if need > max_position:
-    raise ValueError(f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + "
-                     f"{cfg.rollout.max_new_tokens} = {need} > the model's position limit {max_position} "
-                     "(max_position_embeddings): lower one of them")
+  check_positions(cfg)  # also run.train's (and the model.overrides check)
   for name, _ in cfg.reward.fns:
     rewards.resolve(name)
 

@@ -71,7 +71,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
   topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
   workdir_lib.check_shapes(cfg, topology)
-  _check_positions(cfg)
+  workdir_lib.check_positions(cfg)
   new = not workdir_lib.has_run(workdir)
   if _main():
     workdir_lib.write_identity(cfg, workdir)
@@ -136,18 +136,6 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if ckpt is not None:
       ckpt.close()
     exp.close()
-
-
-def _check_positions(cfg: RunConfig) -> None:
-  """Prompt + response past the model's position limit is refused naming the run's keys (launchers/train.py's
-  preflight says the same; the engine would refuse its max_len, a value the config does not name)."""
-  from jaxrl_topo.review.step_bytes import model_config
-
-  limit, need = model_config(cfg)[0].max_position, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-  if limit and need > limit:
-    raise ValueError(f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + "
-                     f"{cfg.rollout.max_new_tokens} = {need} > the model's position limit {limit} "
-                     "(max_position_embeddings): lower one of them")
 
 
 def _main() -> bool:

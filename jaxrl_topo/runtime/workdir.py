@@ -225,6 +225,18 @@ def check_model(cfg: RunConfig) -> None:
                      f"are {', '.join(valid)}")
 
 
+def check_positions(cfg: RunConfig) -> None:
+  """Refuses prompt + response past the model's position limit, naming the run's keys (the engine would refuse
+  its max_len, a value the config does not name). From the model's config alone."""
+  from jaxrl_topo.review.step_bytes import model_config
+
+  limit, need = model_config(cfg)[0].max_position, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  if limit and need > limit:
+    raise ValueError(f"data.max_prompt_len + rollout.max_new_tokens = {cfg.data.max_prompt_len} + "
+                     f"{cfg.rollout.max_new_tokens} = {need} > the model's position limit {limit} "
+                     "(max_position_embeddings): lower one of them")
+
+
 def check_shapes(cfg: RunConfig, topology) -> None:
   """Raises ValueError when the model's weights do not divide over the carved `topology`'s meshes (the build's
   `carve.check_model_fits`: heads, kv heads, mlp, vocab over `tensor`, embed over `fsdp`), or a step's
