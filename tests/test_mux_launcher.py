@@ -145,6 +145,9 @@ def test_a_job_is_refused_in_words_of_its_own(tmp_path):
   _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["lora.rank=8", "lora.targets=('qproj',)"], 0)
   with pytest.raises(UserError, match=r"^job 0-grpo_task: lora.targets \('qproj',\): 'qproj' names no projection"):
     check_job("0-grpo_task", c, str(tmp_path / "x"))
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["rollout.max_new_tokens=600"], 0)  # the build found it
+  with pytest.raises(UserError, match=r"^job 0-grpo_task: .* = \d+ > the model's position limit 512"):
+    check_job("0-grpo_task", c, str(tmp_path / "x"))
   assert [p.name for p in tmp_path.iterdir()] == ["0-grpo_task"]
 
 

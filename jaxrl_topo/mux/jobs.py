@@ -67,16 +67,17 @@ def parse_job(spec: str, common: Sequence[str], index: int):
 
 def check_job(job_id: str, config, workdir: str):
   """The job's RunConfig, after the checks a solo launch makes before its workdir is touched: the config, its
-  prompts (`check_data`), its LoRA targets (`check_model`) and whose run `workdir` holds (`check_workdir`). A
-  failure is a UserError naming the job; the launcher checks every job before it writes anything, so nothing is
-  lost to a bad one (`Group.admit` then checks the devices and meshes)."""
+  prompts (`check_data`), its LoRA targets (`check_model`), its position limit (`check_positions`) and whose
+  run `workdir` holds (`check_workdir`). A failure is a UserError naming the job; the launcher checks every job
+  before it writes anything, so nothing is lost to a bad one (`Group.admit` then checks the devices and meshes)."""
   from jaxrl_topo.runtime.config import from_config_dict
-  from jaxrl_topo.runtime.workdir import check_data, check_model, check_workdir
+  from jaxrl_topo.runtime.workdir import check_data, check_model, check_positions, check_workdir
 
   try:
     cfg = from_config_dict(config)
     check_data(cfg)
     check_model(cfg)
+    check_positions(cfg)
     check_workdir(cfg, workdir, where="its folder")
   except (ValueError, OSError) as e:
     raise UserError(f"job {job_id}: {e}") from None
