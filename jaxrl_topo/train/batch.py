@@ -135,7 +135,7 @@ def _place_rows(seqs: Sequence[Completion], rows: int, row_len: int, pack: bool)
   return out
 
 
-def _check_lengths(i: int, c: Completion, old) -> None:
+def _check_completion(i: int, c: Completion, old) -> None:
   """Its old log-probs match the response (Completion checks its own fields), and its reward is a number (None
   became a NaN reward). A NaN or infinite reward passes: the step rejects it and counts the rejection."""
   if old is not None and len(old) != len(c.response):
@@ -179,7 +179,7 @@ def build_batch(completions: Sequence[Completion], *, n_micro: int, rows: int, r
       c, (r, off) = chunk[b], placed[b]
       if len(c.response) > T:
         raise ValueError(f"sequence {m * B + b} has {len(c.response)} response tokens; resp_len is {T}")
-      _check_lengths(m * B + b, c, None if old is None else old_logp[m * B + b])
+      _check_completion(m * B + b, c, None if old is None else old_logp[m * B + b])
       seq = np.asarray([*c.prompt, *c.response], np.int32)
       segment_of_row[r] += 1
       sl = slice(off, off + len(seq))
