@@ -11,6 +11,7 @@ Runtime on 2 CPU cores: ~70 s with `-m "not slow"`, ~165 s for the whole file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -388,6 +389,12 @@ def test_check_batch_rejects_what_cannot_split():
   six = build_batch(comps[:6], n_micro=1, rows=6, row_len=PAD_ROW_LEN, resp_len=RESP_LEN, pack=False)
   with pytest.raises(ValueError, match="6 sequences are not whole groups of group_size=4"):
     check_batch(six, None, TRAIN_RULES, G)
+  V = fx.TINY.vocab_size
+  check_batch(ok, mesh, TRAIN_RULES, G, vocab_size=V)
+  oov = [dataclasses.replace(c, response=[*c.response[:-1], V]) if i == 3 else c for i, c in enumerate(comps)]
+  with pytest.raises(ValueError, match=rf"holds 2 token ids outside the model's vocabulary \[0, {V}\), e.g. \[{V}\]"):
+    check_batch(build_batch(oov, n_micro=2, rows=8, row_len=PAD_ROW_LEN, resp_len=RESP_LEN, pack=False), mesh,
+                TRAIN_RULES, G, vocab_size=V)  # the token's row entry and its target
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -334,9 +335,17 @@ def with_logprobs(batch: TrainBatch, pre: dict) -> TrainBatch:
   return batch.replace(**{f: pre[k] for k, f in _PRE_FIELDS.items() if k in pre})
 
 
-def check_batch(batch: TrainBatch, mesh, rules, group_size: int) -> None:
-  """Raises before compilation if `batch` can't be split over the mesh or breaks prompt groups."""
+def check_batch(batch: TrainBatch, mesh, rules, group_size: int, *, vocab_size: int | None = None) -> None:
+  """Raises before compilation if `batch` can't be split over the mesh, breaks prompt groups, or holds a token id
+  outside [0, vocab_size) (the model would read a NaN embedding, and the step would reject the batch as non-finite
+  without saying why). Reads the host arrays `build_batch` made; nothing is sent to a device."""
   M, R, _ = batch.tokens_MRS.shape
+  if vocab_size is not None:
+    ids = np.concatenate([np.asarray(batch.tokens_MRS).ravel(), np.asarray(batch.targets_MBT).ravel()])
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+      raise ValueError(f"the batch holds {bad.size} token ids outside the model's vocabulary [0, {vocab_size}), "
+                       f"e.g. {sorted(set(bad.tolist()))[:5]}")
   B = batch.mask_MBT.shape[1]
   ways = 1
   if mesh is not None:
