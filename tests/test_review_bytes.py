@@ -159,6 +159,9 @@ def test_reference_and_critic_traffic():
   assert shared == {"backbone": 0, "old_values_forward": 246_720, "value_head": 384, "total": 247_104}
   separate = rb.critic_collective_bytes(TINY, axes, "separate")  # a second backbone doubles the policy's traffic
   assert separate["backbone"] == rb.gradient_collective_bytes(TINY, axes)["total"] == 740_544
+  # Two epochs: the gradients flow twice, the old values are still read once.
+  two = rb.critic_collective_bytes(TINY, axes, "separate", epochs=2)
+  assert (two["backbone"], two["old_values_forward"], two["value_head"]) == (2 * 740_544, 246_720, 2 * 384)
 
 
 def _config(name: str, arg: str = "tiny") -> dict:

@@ -302,9 +302,10 @@ def reference_collective_bytes(model_cfg: ModelConfig, trainer_axes: Mapping[str
 
 def critic_collective_bytes(model_cfg: ModelConfig, trainer_axes: Mapping[str, int], critic: str, *,
                             scheme: str = "fsdp", param_dtype: Any = None, grad_dtype: Any = "float32",
-                            n_micro: int = 1) -> dict[str, int]:
+                            n_micro: int = 1, epochs: int = 1) -> dict[str, int]:
   """none: 0. shared: the old-values policy forward (a gather) + the [D] head's all-reduce. separate: a second
-  backbone's full gradient traffic (`gradient_collective_bytes`) + its old-values forward + the head."""
+  backbone's full gradient traffic (`gradient_collective_bytes`) + its old-values forward + the head. The old
+  values are read once a step; the gradients (head, backbone) flow in each of `epochs` passes."""
   if critic not in CRITICS:
     raise ValueError(f"critic={critic!r}; expected one of {CRITICS}")
   if critic == "none":
@@ -312,10 +313,10 @@ def critic_collective_bytes(model_cfg: ModelConfig, trainer_axes: Mapping[str, i
   axes = _check_axes(trainer_axes, "trainer_axes")
   forward = reference_collective_bytes(model_cfg, axes, kl_coef=1.0, scheme=scheme, param_dtype=param_dtype,
                                        n_micro=n_micro)
-  head = round(n_micro * ring_all_reduce(model_cfg.d_model * itemsize(grad_dtype), _batch_ranks(axes)[1]))
+  head = round(n_micro * epochs * ring_all_reduce(model_cfg.d_model * itemsize(grad_dtype), _batch_ranks(axes)[1]))
   backbone = 0
   if critic == "separate":
     backbone = gradient_collective_bytes(model_cfg, axes, grad_dtype, scheme, param_dtype=param_dtype,
-                                         n_micro=n_micro)["total"]
+                                         n_micro=n_micro * epochs)["total"]
   items = {"backbone": backbone, "old_values_forward": forward, "value_head": head}
   return {**items, "total": sum(items.values())}

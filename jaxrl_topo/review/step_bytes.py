@@ -102,5 +102,5 @@ def step_bytes(run_cfg: RunConfig, *, changed_frac: float = 0.02, steps_per_hour
                                                              n_micro=n_micro)
                                 for kl in (lc.kl_coef, float(lc.updates > 1))),
       critic_collectives=b.critic_collective_bytes(model_cfg, t_axes, lc.critic, param_dtype=pdt, grad_dtype=pdt,
-                                                   n_micro=n_micro),
+                                                   n_micro=n_micro, epochs=lc.epochs),
       steps_per_hour=steps_per_hour)
