@@ -1,6 +1,7 @@
-"""The fixed-length workload of issue 12 beside Google Tunix's sampler, in one process: tokens/s of each.
+"""Issue 12's decode workloads beside Google Tunix's sampler, in one process: tokens/s of each.
 
   python benchmarks/tunix_compare.py [--batches=8,32] [--repeats=20] [--impl=tunix,dense,paged,paged:bucketed]
+  python benchmarks/tunix_compare.py --workload=longtail [--batches=8,32] [--repeats=10]
 
 Needs `google-tunix` (0.1.7 measured), which the project does not install: it pulls tensorflow-datasets, grain,
 numba and more. Give it a venv of its own beside this project's dependencies, with JAX and Flax pinned to the
@@ -19,6 +20,13 @@ would: prompts as strings through a tokenizer (here: token ids written as number
 with temperature only in its top-p mode), `max_prompt_length=32`, a cache of 96 tokens; dense and paged are
 decode.py's runners. Each runs once untimed (compiles), then `--repeats` rounds, the implementations taking turns
 within each round; tokens/s = B x 64 / the median wall. One JSON line per (impl, batch), with `vs_tunix`.
+
+`--workload=longtail`: the same model and sampling, but the lengths of decode.py's long-tail workload, the shape
+of RL rollouts: 2B prompts, completion lengths lognormal with median 64 and log-sd 1, capped at 512. Tunix's
+sampler and dense decode consecutive batches of B prompts, each batch to its longest length (max_generation_steps;
+Tunix's cache holds the prompt plus the workload's longest completion, so it is not sized for the cap as a real
+run's would be); the engine gets the 2B prompts as one call on B slots and refills a slot as soon as its sequence
+ends. Tokens/s counts the drawn lengths only, not the padding steps past a row's length.
 """
 
 import argparse
@@ -57,8 +65,9 @@ class _IdTokenizer:
     return 0
 
 
-def tunix_runner(prompts, batch: int, seed: int):
-  """Tunix's sampler on its own Llama3 of the workload's shape: a callable returning the generated token count."""
+def tunix_runner(prompts, lengths, batch: int, seed: int):
+  """Tunix's sampler on its own Llama3 of the workload's shape, over consecutive batches of `batch` prompts, each
+  to its longest length: a callable returning (useful tokens, decode steps, {})."""
   from flax import nnx  # noqa: PLC0415
   from tunix.generate import sampler as tunix_sampler  # noqa: PLC0415  (optional: only this runner needs Tunix)
   from tunix.models.llama3 import model as tunix_llama  # noqa: PLC0415
@@ -68,24 +77,29 @@ def tunix_runner(prompts, batch: int, seed: int):
       num_layers=cfg.n_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.d_model, hidden_dim=cfg.d_ff,
       num_heads=cfg.n_heads, head_dim=cfg.head_dim, num_kv_heads=cfg.n_kv_heads, rope_theta=int(cfg.rope_theta),
       norm_eps=1e-5, weight_tying=False), rngs=nnx.Rngs(seed))
-  cache = tunix_sampler.CacheConfig(cache_size=PROMPT_LEN + NEW_TOKENS, num_layers=cfg.n_layers,
+  cache = tunix_sampler.CacheConfig(cache_size=PROMPT_LEN + int(max(lengths)), num_layers=cfg.n_layers,
                                     num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim)
   sampler = tunix_sampler.Sampler(model, _IdTokenizer(), cache)
   texts = [" ".join(str(t) for t in p) for p in prompts]
+  batches = [(texts[i : i + batch], [int(n) for n in lengths[i : i + batch]]) for i in range(0, len(texts), batch)]
 
   def once():
-    out = sampler(texts, max_generation_steps=NEW_TOKENS, max_prompt_length=PROMPT_LEN, temperature=1.0, top_p=1.0,
-                  seed=seed, eos_tokens=[cfg.vocab_size])
-    n = sum(len(t.split()) for t in out.text)
-    return n, NEW_TOKENS * batch, {}
+    tokens = 0
+    for rows, want in batches:
+      out = sampler(rows, max_generation_steps=max(want), max_prompt_length=PROMPT_LEN, temperature=1.0, top_p=1.0,
+                    seed=seed, eos_tokens=[cfg.vocab_size])
+      tokens += sum(min(len(t.split()), n) for t, n in zip(out.text, want, strict=True))
+    return tokens, sum(max(want) for _, want in batches), {}
 
   return once
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workload", default="fixed", choices=["fixed", "longtail"])
   parser.add_argument("--batches", default="8,32")
-  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median reported); default fixed 20, "
+                      "longtail 10")
   parser.add_argument("--impl", default="tunix,dense,paged,paged:bucketed",
                       help="comma-separated: tunix, dense, paged (the engine's default read), paged:<read>")
   parser.add_argument("--seed", type=int, default=0)
@@ -93,34 +107,42 @@ def main():
   impls = args.impl.split(",")
   if "tunix" not in impls:
     parser.error("--impl must include tunix (the comparison's baseline)")
+  fixed = args.workload == "fixed"
+  repeats = args.repeats or (20 if fixed else 10)
   cfg = decode.FIXED_MODEL
   graphdef, params = init_params(cfg, jax.random.key(args.seed))
-  # decode.py's runners read its parsed flags: the fixed-length workload at decode.py's defaults
+  # decode.py's runners read its parsed flags: the workload at decode.py's defaults (longtail: median 64, sigma 1)
   flags = decode.make_parser(jax.default_backend() == "gpu").parse_args(
-      ["--workload=fixed", f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW_TOKENS}", f"--seed={args.seed}"])
-  common = {"bench": "tunix_compare", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "jax": jax.__version__, "date": datetime.date.today().isoformat(), "prompt_len": PROMPT_LEN,
-            "new_tokens": NEW_TOKENS, "tunix": _tunix_version()}
+      [f"--workload={args.workload}", f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW_TOKENS}",
+       f"--seed={args.seed}"])
+  common = {"bench": "tunix_compare", "workload": args.workload, "device": jax.devices()[0].device_kind,
+            "backend": jax.default_backend(), "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+            "prompt_len": PROMPT_LEN, "tunix": _tunix_version()}
   for batch in (int(b) for b in args.batches.split(",")):
     rng = np.random.default_rng(args.seed + 1_000_003 * batch)
-    prompts = rng.integers(1, cfg.vocab_size, (batch, PROMPT_LEN)).tolist()
-    lengths = np.full((batch,), NEW_TOKENS, np.int64)
+    if fixed:
+      lengths = np.full((batch,), NEW_TOKENS, np.int64)
+    else:
+      lengths = decode.sample_lengths(2 * batch, flags.median_len, flags.sigma, args.seed + batch)
+    prompts = rng.integers(1, cfg.vocab_size, (len(lengths), PROMPT_LEN)).tolist()
     work = (graphdef, cfg, params, prompts, lengths, flags, batch, decode.SAMPLED)
     runs = {}
     for impl in impls:
       if impl == "tunix":
-        runs[impl] = tunix_runner(prompts, batch, args.seed)
+        runs[impl] = tunix_runner(prompts, lengths, batch, args.seed)
       elif impl == "dense":
         runs[impl] = decode.dense_runner(*work)
       else:
         runs[impl] = decode.paged_runner(*work, read=impl.partition(":")[2] or "auto")
-    timings = decode.timed(runs, args.repeats)
-    rate = {impl: batch * NEW_TOKENS / timings[impl][0] for impl in impls}
+    timings = decode.timed(runs, repeats)
+    want = int(lengths.sum())
+    rate = {impl: want / timings[impl][0] for impl in impls}
     for impl in impls:
       wall, walls, (tokens, _, _) = timings[impl]
-      assert tokens == batch * NEW_TOKENS, f"{impl}: {tokens} tokens generated, {batch * NEW_TOKENS} asked"
-      print(json.dumps({"impl": impl, "batch": batch, "tokens_per_s": rate[impl], "wall_s": wall,
-                        "wall_s_all": walls, "vs_tunix": rate[impl] / rate["tunix"], **common}), flush=True)
+      assert tokens == want, f"{impl}: {tokens} tokens generated, {want} asked"
+      print(json.dumps({"impl": impl, "batch": batch, "n_seqs": len(lengths), "tokens": want,
+                        "max_len": int(lengths.max()), "tokens_per_s": rate[impl], "wall_s": wall, "wall_s_all": walls,
+                        "vs_tunix": rate[impl] / rate["tunix"], **common}), flush=True)
 
 
 def _tunix_version() -> str:
