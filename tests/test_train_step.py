@@ -334,7 +334,7 @@ def test_every_estimator_and_loss_takes_a_finite_step(advantage, policy_loss):
 
 def test_config_name_lists_match_the_registries():
   assert set(config_lib.POLICY_LOSSES) == set(loss_lib.POLICY_LOSS_FNS)
-  assert set(config_lib.ADVANTAGES) == set(adv_lib.ADVANTAGE_FNS) | {"reinforce_pp", "gae"}
+  assert set(config_lib.ADVANTAGES) == set(adv_lib.ADVANTAGE_FNS) | set(config_lib.TOKEN_REWARD_ADVANTAGES)
   assert set(config_lib.AGGREGATIONS) == set(AGG_MODES)
 
 
@@ -407,6 +407,7 @@ def test_check_batch_rejects_what_cannot_split():
     (dict(critic="big"), r"LossConfig.critic='big'"),
     (dict(kl_kind="k4"), r"LossConfig.kl_kind='k4'"),
     (dict(agg="seq-mean"), r"LossConfig.agg='seq-mean'"),
+    (dict(kl_coef=0.1, kl_in_reward=True), r"advantage='grpo' never reads .* use advantage='reinforce_pp' or 'gae'"),
 ])
 def test_loss_config_rejects_bad_settings_naming_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

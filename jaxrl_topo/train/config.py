@@ -8,6 +8,7 @@ from jaxrl_topo.runtime.dataclass_io import check_ranges
 
 SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+TOKEN_REWARD_ADVANTAGES = ("reinforce_pp", "gae")  # the advantages computed from per-token rewards
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/core.py
 CRITICS = ("none", "shared", "separate")
@@ -54,7 +55,7 @@ class LossConfig:
   dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens by c*|A|
   kl_coef: float = 0.0
   kl_kind: str = "k3"  # k1 | k2 | k3
-  kl_in_reward: bool = False  # True: -kl_coef*KL is added to the token rewards; False: a loss term
+  kl_in_reward: bool = False  # True: -kl_coef*KL is added to the token rewards (reinforce_pp, gae); False: a loss term
   entropy_coef: float = 0.0
   is_cap: float | None = 2.0  # truncated importance weight min(pi_old/mu, cap) vs the sampler; None = off
   is_mask_low: float | None = None  # drop tokens whose pi_old/mu lies outside [low, high]
@@ -86,6 +87,11 @@ class LossConfig:
                        "GAE uses one")
     if self.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.group_size < 2:
       raise ValueError(f"advantage={self.advantage!r} compares completions of a prompt: group_size must be >= 2")
+    if self.kl_in_reward and self.advantage not in TOKEN_REWARD_ADVANTAGES:
+      raise ValueError(f"kl_in_reward=True subtracts the KL from per-token rewards, which advantage="
+                       f"{self.advantage!r} never reads (it compares outcome rewards within a group), so the KL would "
+                       f"apply nowhere: keep it a loss term (kl_in_reward=False), or use advantage="
+                       f"{' or '.join(map(repr, TOKEN_REWARD_ADVANTAGES))}")
     if self.kl_kind not in ("k1", "k2", "k3"):
       raise ValueError(f"LossConfig.kl_kind={self.kl_kind!r}; expected k1, k2 or k3")
     if self.clip_low < 0 or self.clip_high < 0 or (self.dual_clip is not None and self.dual_clip <= 1):
