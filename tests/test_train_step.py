@@ -332,6 +332,22 @@ def test_every_estimator_and_loss_takes_a_finite_step(advantage, policy_loss):
   chex.assert_tree_all_finite(state.params)
 
 
+def test_truncated_is_weight_scales_each_tokens_loss():
+  """At unit ratios (on-policy) PPO's token loss is -A, times the truncated weight min(pi/mu, cap) against the
+  sampler: the step's loss equals that token-mean, from the trainer's and the sampler's log-probs by hand."""
+  batch = _batch("toy", 1, off_policy=False)
+  _, fns, params, _, _ = fx.policy("toy")
+  logp_BT = fx.batch_logprobs(fns, params, batch)[0]
+  mask_BT, sampler_BT = batch.mask_MBT[0], batch.sampler_logp_MBT[0]
+  adv_B = np.asarray(adv_lib.grpo(batch.rewards_MB[0], G))
+  for cap in (None, 1.0, 1.2):
+    w_BT = np.ones_like(logp_BT) if cap is None else np.minimum(np.exp(logp_BT - sampler_BT), cap)
+    want = -(adv_B[:, None] * w_BT * mask_BT).sum() / mask_BT.sum()
+    _, _, m = fx.one_step(TrainConfig(loss=LossConfig(group_size=G, is_cap=cap)), batch, "toy")
+    np.testing.assert_allclose(m["loss"], want, rtol=1e-5, err_msg=f"is_cap={cap}")
+  assert 0 < (w_BT < 1.2)[mask_BT > 0].mean() < 1, "the cap must bind on some tokens and not others"
+
+
 def test_config_name_lists_match_the_registries():
   assert set(config_lib.POLICY_LOSSES) == set(loss_lib.POLICY_LOSS_FNS)
   assert set(config_lib.ADVANTAGES) == set(adv_lib.ADVANTAGE_FNS) | set(config_lib.TOKEN_REWARD_ADVANTAGES)
