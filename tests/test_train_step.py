@@ -348,6 +348,15 @@ def test_truncated_is_weight_scales_each_tokens_loss():
   assert 0 < (w_BT < 1.2)[mask_BT > 0].mean() < 1, "the cap must bind on some tokens and not others"
 
 
+def test_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_entropy():
+  batch = _batch("toy", 1, off_policy=False)
+  _, _, base = fx.one_step(TrainConfig(loss=LossConfig(group_size=G)), batch, "toy")
+  _, _, bonus = fx.one_step(TrainConfig(loss=LossConfig(group_size=G, entropy_coef=0.1)), batch, "toy")
+  assert base["entropy/mean"] > 1.0  # the toy's near-uniform 32-token softmax
+  np.testing.assert_allclose(bonus["loss"], base["loss"] - 0.1 * base["entropy/mean"], rtol=1e-5)
+  assert not np.isclose(bonus["grad_norm"], base["grad_norm"], rtol=1e-4), "the bonus must reach the gradient"
+
+
 def test_config_name_lists_match_the_registries():
   assert set(config_lib.POLICY_LOSSES) == set(loss_lib.POLICY_LOSS_FNS)
   assert set(config_lib.ADVANTAGES) == set(adv_lib.ADVANTAGE_FNS) | set(config_lib.TOKEN_REWARD_ADVANTAGES)

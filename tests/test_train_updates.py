@@ -14,7 +14,7 @@ import train_fixtures as fx
 
 from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.config import LossConfig, OptimConfig, TrainConfig
-from jaxrl_topo.train.optim import make_optimizer
+from jaxrl_topo.train.optim import learning_rate, make_optimizer
 from jaxrl_topo.train.state import create_train_state
 from jaxrl_topo.train.step import train_step
 
@@ -92,6 +92,44 @@ def test_the_schedule_counts_steps_not_updates():
   fx.assert_trees_close(jax.device_get(state.params), before, rtol=0.0, what="step 0 at lr 0")
   state, _ = _step(cfg, state, _batch(comps, n_micro=2), tx)
   assert not np.allclose(jax.tree.leaves(state.params)[0], jax.tree.leaves(before)[0])
+
+
+def test_cosine_schedule_and_global_norm_clip_by_hand():
+  """Warm-up then cosine decay to final_lr_frac x lr, at hand-worked points; and the clip: two updates of grads
+  with norms 10 and 0.1 under max_grad_norm=1 equal unclipped updates of the first scaled to norm 1 (Adam is not
+  scale-free over two updates of different scale, so a clip that did nothing would differ)."""
+  sched = learning_rate(OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=10, total_steps=110, final_lr_frac=0.1))
+  for step, want in [(0, 0.0), (5, 5e-4), (10, 1e-3), (60, 1e-3 * (0.1 + 0.9 * 0.5)), (110, 1e-4), (200, 1e-4)]:
+    np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-12, err_msg=f"step {step}")
+  g = {"w": np.array([3.0, 4.0], np.float32)}  # norm 5
+
+  def two_updates(tx, first, second):
+    params = {"w": np.zeros(2, np.float32)}
+    opt = tx.init(params)
+    u1, opt = tx.update(first, opt, params)
+    u2, _ = tx.update(second, opt, params)
+    return np.concatenate([u1["w"], u2["w"]])
+
+  scaled = lambda k: jax.tree.map(lambda x: x * k, g)
+  clipped = two_updates(make_optimizer(OptimConfig(lr=0.1, max_grad_norm=1.0)), scaled(2.0), scaled(0.02))
+  by_hand = two_updates(make_optimizer(OptimConfig(lr=0.1, max_grad_norm=0.0)), scaled(0.2), scaled(0.02))
+  unclipped = two_updates(make_optimizer(OptimConfig(lr=0.1, max_grad_norm=0.0)), scaled(2.0), scaled(0.02))
+  np.testing.assert_allclose(clipped, by_hand, rtol=1e-6)
+  assert not np.allclose(unclipped, by_hand, rtol=1e-3), "the check must tell a clip from none"
+
+
+def test_a_non_finite_batch_rejects_every_update_of_the_step():
+  """epochs=2 x minibatches=2: a NaN reward in one minibatch rejects the whole step (all four updates): the
+  params and the optimizer state are as they were, and the rejection is counted once."""
+  comps, _ = _completions()
+  comps[5] = Completion(comps[5].prompt, comps[5].response, float("nan"), comps[5].sampler_logp)
+  cfg = TrainConfig(loss=LossConfig(group_size=G, epochs=2, minibatches=2))
+  tx = make_optimizer(OptimConfig(lr=0.05), updates_per_step=cfg.loss.updates)
+  state = _fresh(cfg, tx)
+  before = jax.device_get((state.params, state.opt_state))
+  state, m = _step(cfg, state, _batch(comps, n_micro=2), tx)
+  assert (float(m["step_ok"]), int(state.rejected), int(state.step)) == (0.0, 1, 1)
+  fx.assert_trees_close(jax.device_get((state.params, state.opt_state)), before, rtol=0.0, what="a rejected step")
 
 
 def test_minibatches_must_divide_the_microbatches_and_be_positive():
