@@ -357,6 +357,28 @@ def test_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_entropy
   assert not np.isclose(bonus["grad_norm"], base["grad_norm"], rtol=1e-4), "the bonus must reach the gradient"
 
 
+def test_kl_is_measured_against_the_initial_weights_once_the_policy_moved():
+  """Two steps at lr 0.05: the second step's kl/mean is k3 between the moved policy's log-probs and the initial
+  ones, by hand (a reference that followed the policy would read 0), and the reference copy is unchanged."""
+  cfg = TrainConfig(loss=LossConfig(group_size=G, kl_coef=0.1, is_cap=None), optim=OptimConfig(lr=0.05))
+  tx = make_optimizer(cfg.optim)
+  _, fns, params, d_model, _ = fx.policy("toy")
+  batch = _batch("toy", 1, off_policy=False)
+  state = create_train_state(params, cfg, tx, d_model=d_model)
+  initial = jax.device_get(state.params["policy"])
+  with jax.disable_jit():
+    state, m1 = step_lib.train_step(state, batch, fns=fns, cfg=cfg, tx=tx)
+    moved = jax.device_get(state.params["policy"])
+    state, m2 = step_lib.train_step(state, batch, fns=fns, cfg=cfg, tx=tx)
+  assert float(m1["kl/mean"]) == 0.0
+  d_BT = fx.batch_logprobs(fns, initial, batch)[0] - fx.batch_logprobs(fns, moved, batch)[0]
+  mask_BT = batch.mask_MBT[0]
+  want = ((np.exp(d_BT) - d_BT - 1) * mask_BT).sum() / mask_BT.sum()
+  assert want > 1e-6, "the first step must move the policy"
+  np.testing.assert_allclose(float(m2["kl/mean"]), want, rtol=1e-4)
+  fx.assert_trees_close(jax.device_get(state.ref), initial, rtol=0.0, what="the reference after two steps")
+
+
 def test_config_name_lists_match_the_registries():
   assert set(config_lib.POLICY_LOSSES) == set(loss_lib.POLICY_LOSS_FNS)
   assert set(config_lib.ADVANTAGES) == set(adv_lib.ADVANTAGE_FNS) | set(config_lib.TOKEN_REWARD_ADVANTAGES)
