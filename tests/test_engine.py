@@ -71,10 +71,11 @@ def test_greedy_engine_matches_dense_decoder(family, tmp_path):
     np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["bucketed", "fast", "reference", "window"])
+@pytest.mark.parametrize("impl", ["bucketed", "fast", "reference", "window", "pallas"])
 def test_sampled_engine_matches_dense_decoder(tiny, impl):
   """Rows of 2-20 prompt tokens and 12 new ones in 4-token pages: "window" grows through widths 1 to 8 pages (no
-  floor: min_window_tokens=0; the default's 64 tokens would open every window at all 16 pages)."""
+  floor: min_window_tokens=0; the default's 64 tokens would open every window at all 16 pages). "pallas", the GPU
+  default, runs its kernel in Pallas interpret mode here."""
   graphdef, params = tiny
   prompts = _prompts(6, seed=2)
   floor = {"min_window_tokens": 0} if impl == "window" else {}
