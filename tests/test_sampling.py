@@ -184,6 +184,15 @@ def test_compiles_once_for_a_fixed_config():
   assert hash(cfg) == hash(SamplingConfig(top_k=5, top_p=0.9, min_p=0.01))
 
 
+def test_top_p_and_min_p_compile_to_no_sort():
+  """top-p's threshold is bisected, not read off a sorted vocabulary: the compiled program holds no sort op.
+  (top-k goes through lax.top_k, which XLA:CPU itself lowers to a sort; GPU backends have a top-k kernel.)"""
+  keys_B = jax.random.split(jax.random.key(0), 4)
+  hlo = jax.jit(sample_tokens, static_argnames="cfg").lower(
+      jnp.zeros((4, 1000)), keys_B, cfg=SamplingConfig(top_p=0.9, min_p=0.01)).compile().as_text()
+  assert " sort(" not in hlo
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [(dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
