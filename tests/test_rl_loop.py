@@ -117,19 +117,23 @@ def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameter
 
   from jaxrl_topo.runtime import experiment, loop
 
-  params = {}
+  params, start = {}, {}
   for mode in ("colocated", "disaggregated"):
-    cfg = _cfg(mode, steps=3, **{"run.max_staleness": 0})
-    exp = experiment.build(cfg, str(tmp_path / mode))
+    # A length reward: after 10 warm-up steps the task's own reward is 0 for every sample, so every advantage
+    # would be 0 and the steps would move nothing (and both runs would match trivially).
+    cfg = _cfg(mode, steps=3, **{"run.max_staleness": 0, "reward.fn": "reward_fns_for_tests:length"})
+    exp = experiment.build(cfg, str(tmp_path / mode))  # the supervised warm-up runs here
     try:
-      loop.train_loop(exp)
+      start[mode], ok = jax.device_get(exp.state.params), []
+      loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: ok.append(float(m["step_ok"]))))
       params[mode] = jax.device_get(exp.state.params)
     finally:
       exp.close()
+    assert ok == [1.0] * 3, f"{mode}: a step was rejected"
   same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), params["colocated"], params["disaggregated"])
   assert all(jax.tree.leaves(same)), "colocated and disaggregated (eta=0) runs diverged"
-  moved = jax.tree.map(lambda a: float(np.abs(a).sum()), params["colocated"])
-  assert all(v > 0 for v in jax.tree.leaves(moved))
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params["colocated"], start["colocated"])
+  assert all(jax.tree.leaves(moved)), "the RL steps left some parameters as the warm-up did"
 
 
 def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
