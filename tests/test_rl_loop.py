@@ -142,12 +142,13 @@ def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
 
   flags = {"run.steps": steps, "run.checkpoint_every": 2, "run.eval_every": 0, "run.tensorboard": False,
            "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 10, "run.sft_target_accuracy": 0.0,
-           "data.batch_size": 4, "rl.group_size": 4,
-           "rollout.n_slots": 16, **overrides}
+           "data.batch_size": 4, "rl.group_size": 4, "rollout.n_slots": 16,
+           # after 10 warm-up steps the task's reward is 0 for every sample: no step would move a weight
+           "reward.fn": "reward_fns_for_tests:length", **overrides}
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "train.py"), "--config",
          os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={workdir}", "--noprogress",
          *[f"--config.{k}={v}" for k, v in flags.items()]]
-  env = cpu_env()  # one device
+  env = cpu_env(PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))  # one device; the tests' reward module
   if cache_dir:  # the launches compile the same programs: share them through JAX's persistent cache
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -179,6 +180,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, launched, tm
     assert json.load(f)["resumed_from"] == 2
   want, got = comparable(read_metrics(str(launched / "ref"))), comparable(read_metrics(str(run)))
   assert [r["step"] for r in got] == list(range(6))
+  assert all(r["grad_norm"] > 0 for r in want), "steps that move no weight would make any resume look exact"
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
 
 
