@@ -125,7 +125,7 @@ def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameter
     exp = experiment.build(cfg, str(tmp_path / mode))  # the supervised warm-up runs here
     try:
       start[mode], ok = jax.device_get(exp.state.params), []
-      loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: ok.append(float(m["step_ok"]))))
+      loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m, ok=ok: ok.append(float(m["step_ok"]))))
       params[mode] = jax.device_get(exp.state.params)
     finally:
       exp.close()
