@@ -109,6 +109,12 @@ def plan_leaf(src: jax.ShapeDtypeStruct, dst: NamedSharding, dst_dtype, route: s
   if jax.process_count() > 1 and not set(s_dev) & set(d_dev):
     if len(s_dev) != len(d_dev):  # JAX's condition for moving shards between processes
       raise ValueError(f"multi-process weight sync needs equal device counts per side: {len(s_dev)} -> {len(d_dev)}")
+    if len(s_dev) == 1 and s_dev[0].platform == "cpu":
+      # Measured 2026-11-29 (jax 0.10.2): the run's first rollout program then dies in a segfault on the trainer's
+      # process (sync_check's transfer alone passes); cause not found. Refused here rather than crash.
+      raise ValueError("a trainer and a rollout of one CPU device each, in different processes, crash XLA:CPU's "
+                       "runtime in the first rollout: give each side 2 or more devices (e.g. local_multiprocess.py "
+                       "--devices_per_process=2 with topology.trainer.fsdp=2 and topology.rollout.data=2)")
     return leaf(route="collective", mid_src=src.sharding, mid_dst=dst, shipped=math.prod(src.shape) * dtype.itemsize)
   options = {}
   if route in ("auto", "source") and len(s_dev) % len(d_dev) == 0:
