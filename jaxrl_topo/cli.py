@@ -96,6 +96,9 @@ def device_hint(msg: str) -> str:
   except RuntimeError:
     return ""
   n = need.group(1)
+  if os.environ.get("JAXRL_NUM_PROCESSES"):  # started by launchers/local_multiprocess.py: it sets the count
+    per = -(-int(n) // int(os.environ["JAXRL_NUM_PROCESSES"]))
+    return f"\nhint: give local_multiprocess.py --devices_per_process={per} (or more)"
   return (f"\nhint: on a CPU, JAX sees one device unless told otherwise: start with "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (or more) in the environment")
 

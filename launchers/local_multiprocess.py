@@ -7,7 +7,7 @@ Each child gets JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES / JAXRL_PROCESS_ID (read
 `jaxrl_topo.runtime.distributed.initialize`) and, on CPU (JAX_PLATFORMS=cpu, or no accelerator
 visible), that many fake devices, added to the user's XLA_FLAGS. Output lines are prefixed with
 [pN]. As soon as one process exits non-zero the others are stopped, the failed one's last lines are
-repeated, and its exit code is returned.
+repeated, and its exit code is returned. A command starting with `python` runs under this launcher's interpreter.
 """
 
 from __future__ import annotations
@@ -136,7 +136,19 @@ def _stop(procs, grace_s: float) -> None:
 def main(argv: Sequence[str]) -> None:
   if len(argv) < 2:
     raise app.UsageError("give the command after --, e.g. -- python script.py")
-  sys.exit(run(argv[1:], _N.value, _DEVICES.value, _TIMEOUT.value))
+  if _N.value < 1 or _DEVICES.value < 1 or _TIMEOUT.value < 1:
+    raise app.UsageError(f"--num_processes={_N.value}, --devices_per_process={_DEVICES.value} and "
+                         f"--timeout_s={_TIMEOUT.value} must each be >= 1")
+  sys.exit(run(with_this_python(argv[1:]), _N.value, _DEVICES.value, _TIMEOUT.value))
+
+
+def with_this_python(command: Sequence[str]) -> list[str]:
+  """A command starting with `python` or `python3` runs under this launcher's own interpreter (its venv, whether
+  or not the venv is activated in the shell)."""
+  command = list(command)
+  if command and command[0] in ("python", "python3"):
+    command[0] = sys.executable
+  return command
 
 
 if __name__ == "__main__":

@@ -43,6 +43,18 @@ def test_a_failing_process_ends_the_run_with_its_error(capfd, monkeypatch):
   assert "Traceback" not in out
 
 
+def test_local_multiprocess_runs_python_as_itself_and_hints_its_own_device_flag(monkeypatch):
+  assert local_multiprocess.with_this_python(["python", "x.py", "python"]) == [sys.executable, "x.py", "python"]
+  assert local_multiprocess.with_this_python(["bash", "-c", "python x.py"]) == ["bash", "-c", "python x.py"]
+  import jax  # noqa: F401  (device_hint speaks only once JAX is loaded)
+
+  from jaxrl_topo.cli import device_hint
+  msg = "disaggregated topology needs 8 devices (trainer 4 + rollout 4); only 4 exist"
+  assert "xla_force_host_platform_device_count=8" in device_hint(msg)
+  monkeypatch.setenv("JAXRL_NUM_PROCESSES", "2")  # what local_multiprocess gives its children
+  assert device_hint(msg) == "\nhint: give local_multiprocess.py --devices_per_process=4 (or more)"
+
+
 def test_warm_up_dev_accuracy_on_every_process(capfd, monkeypatch, tmp_path):
   """The warm-up's accuracy check with params held by process 0 only (async / disaggregated across
   processes) and spanning both. Before: process 1 failed reading arrays it does not hold."""
