@@ -4,7 +4,7 @@
 
 Reads the run's config.json and its newest (or the given) checkpoint; LoRA adapters are merged.
 `transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result. Checked before anything is loaded:
---out is new, empty or an earlier export (a model directory, replaced), and is neither the workdir, nor
+--out is new, empty or an earlier export (marked by its exported_from.json; replaced), and is neither the workdir, nor
 anything the run owns inside it (config.json, init_model/, checkpoints/, ...), nor the model the run started from.
 """
 

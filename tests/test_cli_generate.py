@@ -250,13 +250,17 @@ def test_export_never_writes_over_the_run(workdir, sub, text):
 
 
 def test_export_to_hf_inside_the_run_passes_the_checks(workdir, tmp_path, model):
-  """--out=R/hf (the README's) is allowed, and so is an earlier export there; the run's base model and a
-  directory holding something else are refused."""
-  from jaxrl_topo.runtime.workdir import check_export_out
+  """--out=R/hf (the README's) is allowed, and so is an earlier export (a model directory with exported_from.json);
+  a model no export wrote, the run's base model and a directory holding something else are refused. Before: any
+  model directory was replaced without a word."""
+  from jaxrl_topo.runtime.workdir import EXPORT_RECORD, check_export_out
 
-  for out in (workdir / "hf", _model_copy(model, tmp_path)):
-    check_export_out(str(workdir), str(out))
-  base = tmp_path / "copy"
+  check_export_out(str(workdir), str(workdir / "hf"))
+  base = _model_copy(model, tmp_path)
+  with pytest.raises(OSError, match=f"holds a model that no export wrote \\(no {EXPORT_RECORD}\\)"):
+    check_export_out(str(workdir), str(base))
+  (base / EXPORT_RECORD).write_text("{}")
+  check_export_out(str(workdir), str(base))
   (workdir / "config.json").write_text(json.dumps({"model": {"hf_dir": str(base)}}))
   with pytest.raises(ValueError, match="is the model the run started from"):
     check_export_out(str(workdir), str(base))

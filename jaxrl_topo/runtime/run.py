@@ -281,4 +281,7 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   with open(os.path.join(model_dir, "config.json")) as f:
     eos = json.load(f).get("eos_token_id")
   hf_io.save_model(out_dir, model_cfg, policy, dtype=dtype, eos_token_id=eos, tokenizer_dir=model_dir)
+  if jax.process_index() == 0:  # marks the directory as an export, which a later export may replace
+    with open(os.path.join(out_dir, workdir_lib.EXPORT_RECORD), "w") as f:
+      json.dump({"workdir": os.path.realpath(workdir), "step": step, "dtype": dtype or model_cfg.param_dtype}, f)
   return step

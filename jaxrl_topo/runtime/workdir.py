@@ -23,6 +23,7 @@ from jaxrl_topo.runtime.config import RunConfig
 
 IDENTITY_FILE = "identity.json"
 CONFIG_FILE = "config.json"  # the launcher's ConfigDict (run.save_config): export and resume read it
+EXPORT_RECORD = "exported_from.json"  # written by run.export beside the model: only such a directory is replaced
 RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
              "reward_curve.png", CONFIG_FILE, IDENTITY_FILE)
 
@@ -135,7 +136,8 @@ def _start_over(where: str) -> str:
 def check_export_out(workdir: str, out: str) -> None:
   """Raises, writing nothing, when an export of `workdir` to `out` would overwrite the run or the model it started
   from (`out` is the workdir, anything the run keeps in it, or its config's model.hf_dir) or cannot be written
-  (hf_io.check_out_dir: new, empty, or an earlier export to replace). `out=<workdir>/hf` is fine."""
+  (hf_io.check_out_dir: new, empty, or an earlier export to replace: a model directory with EXPORT_RECORD; any
+  other model directory is refused). `out=<workdir>/hf` is fine."""
   from jaxrl_topo.models import hf_io
 
   work, dest = os.path.realpath(workdir), os.path.realpath(out)
@@ -153,6 +155,9 @@ def check_export_out(workdir: str, out: str) -> None:
     base = None  # run.export names what is wrong with the config
   if isinstance(base, str) and base and os.path.realpath(base) == dest:
     raise ValueError(f"--out={out} is the model the run started from (model.hf_dir): choose a new directory")
+  if hf_io.is_model_dir(out) and not os.path.isfile(os.path.join(out, EXPORT_RECORD)):
+    raise FileExistsError(f"--out={out} holds a model that no export wrote (no {EXPORT_RECORD}); nothing was written: "
+                          "choose a new directory (an earlier export there would be replaced)")
   hf_io.check_out_dir(out, replace_model=True)
 
 
