@@ -38,14 +38,13 @@ _RESIZE = flags.DEFINE_bool("resize", True, "mux.resize: a rollout that starts b
 
 
 def checked_group(workdir: str):
-  """(Group, {job id: ConfigDict}): every job parsed and checked (a one-line error names the first that fails),
-  then the group admitted (host memory, devices, same pools), all before anything is written."""
+  """The Group: every job parsed and checked (a one-line error names the first that fails), then the group admitted
+  (host memory, devices, same pools), all before anything is written."""
   from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
 
-  specs, configs = [], {}
+  specs = []
   for i, spec in enumerate(_JOB.value):
     jid, config = parse_job(spec, COMMON, i)
-    configs[jid] = config
     jobdir = os.path.join(workdir, jid)
     specs.append(JobSpec(jid, check_job(jid, config, jobdir), jobdir))
     if note := mode_notice(jid, specs[-1].cfg):
@@ -53,7 +52,7 @@ def checked_group(workdir: str):
   group = Group(specs, MuxConfig(host_memory_gb=_HOST_GB.value, migrate_at=_MIGRATE_AT.value,
                                    resize=_RESIZE.value), workdir, checkpoints=True)
   group.admit()
-  return group, configs
+  return group
 
 
 def main(argv: Sequence[str]) -> None:
@@ -72,10 +71,10 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.runtime.workdir import write_identity
 
   workdir = _WORKDIR.value
-  group, configs = checked_group(workdir)
+  group = checked_group(workdir)
   specs = [job.spec for job in group.jobs.values()]
-  for s in specs:
-    run.save_config(configs[s.job_id], s.workdir)
+  for s in specs:  # the job as the group runs it (disaggregated, eta 0: group.on_policy), so review reads what ran
+    run.save_config(run.config_dict(s.cfg), s.workdir)
     write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused
   group.build()
   writers = {}

@@ -193,6 +193,11 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   assert 0 < summary["busy_fraction"]["train"] <= 1 and 0 < summary["busy_fraction"]["rollout"] <= 1
   with open(tmp_path / "0-grpo_task" / "metrics.jsonl") as f:
     assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+  with open(tmp_path / "0-grpo_task" / "config.json") as f:  # the job as it ran (before: the config's colocated)
+    saved = json.load(f)
+  assert (saved["topology"]["mode"], saved["run"]["max_staleness"]) == ("disaggregated", 0)
+  from jaxrl_topo.runtime import run as run_lib  # exports on the trainer's devices alone
+  assert run_lib.export(str(tmp_path / "0-grpo_task"), str(tmp_path / "hf")) == 3
   spans = read_spans(str(tmp_path / "mux_spans.jsonl"))
   assert {s["job"] for s in spans} == {"0-grpo_task", "1-dapo"}
   assert (tmp_path / "mux_timeline.png").stat().st_size > 0

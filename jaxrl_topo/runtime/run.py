@@ -266,7 +266,8 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   workdir_lib.check_export_out(workdir, out_dir)
   cfg = load_config(workdir)
   model_dir = experiment_lib.model_dir_for(cfg, workdir)
-  trainer = carve(cfg.topology).trainer
+  # Only the trainer's mesh: a disaggregated run's export does not need its rollout devices too.
+  trainer = carve(dataclasses.replace(cfg.topology, mode="colocated")).trainer
   model_cfg, _, params = hf_io.load_model(model_dir, trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   state = create_train_state(params, cfg.train_config, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
   with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:  # the run may be saving
