@@ -65,6 +65,10 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.models.tokenizer import Tokenizer
 
+  if os.path.isdir(os.path.join(model_dir, "checkpoints")) or os.path.isfile(os.path.join(model_dir, "identity.json")):
+    raise ValueError(f"--model={model_dir} is a training run's workdir, not a model directory: export its policy "
+                     f"first (python launchers/export.py --workdir={model_dir} --out={os.path.join(model_dir, 'hf')}) "
+                     f"and pass --model={os.path.join(model_dir, 'hf')}")
   if not os.path.isfile(os.path.join(model_dir, "config.json")):
     raise FileNotFoundError(f"--model={model_dir}: no config.json there (expected a local Hugging Face model "
                             "directory, e.g. from launchers/init_model.py or launchers/export.py)")

@@ -127,6 +127,16 @@ def test_non_positive_sizes_are_refused(tmp_path, model):
       generate.check_sizes(*sizes, name=lambda n: f"--{n}")
 
 
+def test_a_run_workdir_as_the_model_points_to_export(tmp_path):
+  """Before: "config.json: no 'vocab_size' (a Hugging Face config.json needs it)"."""
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  p = _prompts(tmp_path / "in.jsonl", ["abc"])
+  _one_line_error(_generate(run, p, tmp_path / "o.jsonl"), f"--model={run} is a training run's workdir, not a "
+                  f"model directory: export its policy first (python launchers/export.py --workdir={run}")
+
+
 def test_an_unwritable_out_is_refused_before_generating(tmp_path, model):
   """Before: everything was generated, then [Errno 17] / [Errno 21] and the completions were lost."""
   from jaxrl_topo.rollout import generate
