@@ -58,6 +58,8 @@ def checked_group(workdir: str):
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _PLAN.value and (_JOB.value or _WORKDIR.value):
+    raise app.UsageError("--plan=TRACE only places a trace's jobs and runs nothing: drop --job and --workdir")
   if _PLAN.value:
     from jaxrl_topo.mux import placement
 
@@ -99,7 +101,8 @@ def main(argv: Sequence[str]) -> None:
   with open(os.path.join(workdir, "mux_summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   for jid, r in results.items():
-    print(f"{jid}: " + (f"{r['steps']} steps" if r["ok"] else f"FAILED: {r['error'].strip().splitlines()[-1]}"))
+    done = f"{r['steps']} steps" + (f" (resumed at step {r['resumed_from']})" if r["resumed_from"] else "")
+    print(f"{jid}: " + (done if r["ok"] else f"FAILED: {r['error'].strip().splitlines()[-1]}"))
   if "busy_fraction" in summary:
     print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))
   if not any(r["ok"] for r in results.values()):

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.mux import warm
-from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig, compile_counts, on_policy
+from jaxrl_topo.mux.group import MUX_SPANS, Group, JobSpec, MuxConfig, compile_counts, on_policy
 from jaxrl_topo.mux.pools import RoundRobin
+from jaxrl_topo.mux.report import read_spans
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 from jaxrl_topo.runtime.metrics import comparable
@@ -273,11 +274,19 @@ def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_unint
 
   _, first = make(breaks)
   assert not first["a"]["ok"] and not first["b"]["ok"]
+  first_spans = read_spans(str(tmp_path / MUX_SPANS))
   group, again = make()
   for jid in "ab":
     assert again[jid]["ok"] and again[jid]["resumed_from"] == 2, again
     got = comparable(group.jobs[jid].metrics)
     assert [r["step"] for r in got] == [2] and got[0] == solo(jid)[2], f"job {jid}"
+  # The group's timeline keeps the first session's spans of steps 0-1 and adds step 2's after them (before: the
+  # second session's file held its own spans only).
+  spans = read_spans(str(tmp_path / MUX_SPANS))
+  kept = [s for s in first_spans if s["step"] < 2]
+  assert spans[: len(kept)] == sorted(kept, key=lambda s: s["start"])
+  assert {(s["job"], s["step"]) for s in spans if s["phase"] == "train"} == {(j, k) for j in "ab" for k in range(3)}
+  assert min(s["start"] for s in spans[len(kept):]) >= max(s["end"] for s in kept)
 
 
 def test_a_rollout_beside_another_jobs_tail_runs_on_the_shards_the_tail_left_free(tmp_path):

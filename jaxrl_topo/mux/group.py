@@ -339,7 +339,9 @@ class Group:
     turn and warm-state hooks wrap them."""
     if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
-    self._t0 = time.perf_counter()
+    # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.
+    self.spans[:0] = self._earlier_spans()
+    self._t0 = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
     threads = []
     for jid, job in self.jobs.items():
       if job.exp is None:
@@ -368,6 +370,16 @@ class Group:
       finally:
         if job.exp is not None:
           job.exp.close()
+
+  def _earlier_spans(self) -> list[dict]:
+    """The spans in the group's MUX_SPANS of steps each job resumes past (none for a job started over)."""
+    starts = {jid: job.start for jid, job in self.jobs.items()}
+    path = os.path.join(self.workdir, MUX_SPANS)
+    if not any(starts.values()) or not os.path.isfile(path):
+      return []
+    from jaxrl_topo.mux.report import read_spans  # noqa: PLC0415 (the report's plotting stays out of the group)
+
+    return [r for r in read_spans(path) if r["step"] < starts.get(r["job"], 0)]
 
   def _write_spans(self) -> None:
     os.makedirs(self.workdir, exist_ok=True)
