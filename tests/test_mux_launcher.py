@@ -108,7 +108,11 @@ def test_a_job_that_fails_its_build_is_reported_once_and_its_checkpointer_closed
   it): its traceback once (the group was built twice when every job failed), and no orbax 'cannot schedule new
   futures after interpreter shutdown' traceback (its Checkpointer was left open). (Until the meshes were checked
   before anything is written, a rollout mesh that does not divide the vocabulary was this failure.)"""
-  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", "--config.reward.fn=model",
+  from jaxrl_topo.models.presets import get_preset
+  from jaxrl_topo.rl.reward_model import write_reward_model
+
+  write_reward_model(str(tmp_path / "rm"), get_preset("tiny"))  # a missing one is refused before anything runs
+  out = _launch(tmp_path / "g", f"--job={CONFIGS}/grpo_task.py:tiny", "--config.reward.fn=model",
                 f"--config.reward.model_dir={tmp_path / 'rm'}")
   assert out.returncode == 2 and out.stderr.rstrip().endswith(
       "error: every job failed\n(run with --traceback to see where it was raised)"), out.stderr[-3000:]

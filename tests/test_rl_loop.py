@@ -6,6 +6,7 @@ rollout data=2 x tensor=2): colocated on devices 0-3, disaggregated / async with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -345,6 +346,18 @@ def test_model_as_the_main_reward_is_validated_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="sft_target_accuracy"):  # the demo's warm-up stops on a verifier
     experiment.build(from_config_dict(c), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run"), "the config error must come before anything is written"
+  # The reward model's directory is read before anything is written: missing, or a smaller vocabulary.
+  from jaxrl_topo.models.presets import get_preset
+  from jaxrl_topo.rl.reward_model import write_reward_model
+  from jaxrl_topo.runtime import run as run_lib
+
+  c.run.sft_steps = 0
+  with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'rm'}: no config.json"):
+    run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
+  write_reward_model(str(tmp_path / "rm"), dataclasses.replace(get_preset("tiny"), vocab_size=110))
+  with pytest.raises(ValueError, match="has vocab_size 110 < the policy's"):
+    run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
+  assert not os.path.exists(tmp_path / "run")
 
 
 def test_slots_and_pages_must_split_over_the_rollout_data_axis():

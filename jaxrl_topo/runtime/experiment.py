@@ -36,6 +36,7 @@ from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import MODEL_REWARD, RunConfig
 from jaxrl_topo.runtime.sync import WeightSync
+from jaxrl_topo.runtime.workdir import check_model
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
 from jaxrl_topo.topology.hostcomm import broadcast, to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding
@@ -189,6 +190,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   if cfg.reward.fn == MODEL_REWARD and cfg.run.sft_steps and cfg.run.sft_target_accuracy > 0:
     raise ValueError("run.sft_target_accuracy stops the warm-up on a verifier's accuracy; with reward.fn='model' "
                      "there is none: set run.sft_target_accuracy=0 (a fixed run.sft_steps) or run.sft_steps=0")
+  check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary (run.train checks before writing)
   os.makedirs(workdir, exist_ok=True)
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)
@@ -235,9 +237,6 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
     role = "reward" if "reward" in dict(topology.roles) else "rollout"
     reward_model = RewardModel.load(cfg.reward.model_dir, topology.mesh_for(role), topology.rules_for(role),
                                     dtype=cfg.model.dtype, batch_size=cfg.reward.model_batch_size)
-    if reward_model.cfg.vocab_size < model_cfg.vocab_size:
-      raise ValueError(f"reward model {cfg.reward.model_dir} has vocab_size {reward_model.cfg.vocab_size} < the "
-                       f"policy's {model_cfg.vocab_size}: it must read the policy's token ids")
   detok = lambda ids: tokenizer.decode(ids)  # noqa: E731
   engine = RolloutEngine(graphdef, model_cfg, rollout_params, ecfg, seed=cfg.run.seed, mesh=topology.rollout,
                          detokenize=detok)

@@ -72,6 +72,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
   workdir_lib.check_shapes(cfg, topology)
   workdir_lib.check_positions(cfg)
+  workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
   new = not workdir_lib.has_run(workdir)
   if _main():
     workdir_lib.write_identity(cfg, workdir)

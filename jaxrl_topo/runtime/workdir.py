@@ -213,12 +213,23 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig) -> None:
-  """Raises ValueError when `lora.targets` (with lora.rank > 0) names a projection the model lacks, listing the
-  ones it has: from the model's config and abstract shapes alone (the build would fail after the warm-up)."""
+  """Raises when `lora.targets` (with lora.rank > 0) names a projection the model lacks, listing the ones it has,
+  or when `reward.model_dir` holds no model (config.json, weights) or one whose vocabulary is smaller than the
+  policy's: from config files and abstract shapes alone (the build would fail after the warm-up)."""
+  from jaxrl_topo.review.step_bytes import model_config
+
+  if cfg.reward.model_dir is not None:
+    from jaxrl_topo.models import hf_io
+
+    rm = hf_io.read_config(cfg.reward.model_dir, tie_embeddings=True)
+    hf_io.tensor_files(cfg.reward.model_dir)
+    policy_vocab = model_config(cfg)[0].vocab_size
+    if rm.vocab_size < policy_vocab:
+      raise ValueError(f"reward model {cfg.reward.model_dir} has vocab_size {rm.vocab_size} < the policy's "
+                       f"{policy_vocab}: it must read the policy's token ids")
   if not cfg.lora.enabled:
     return
   from jaxrl_topo.review.bytes import param_leaves
-  from jaxrl_topo.review.step_bytes import model_config
 
   model_cfg, name = model_config(cfg)
   valid = sorted({leaf.path[-2] for leaf in param_leaves(model_cfg) if leaf.path[-1] == "kernel"
