@@ -233,4 +233,4 @@ def check_residency(residents: list[Residency], host_memory_gb: float) -> None:
     each = ", ".join(f"{r.job}: {r.total:,} B (train state {r.train_state_bytes:,} + rollout "
                      f"{r.rollout_bytes:,})" for r in residents)
     raise ValueError(f"mux: the group's host-resident state is {total:,} B > mux.host_memory_gb={host_memory_gb:g} "
-                     f"({budget:,} B); {each}. Drop a job or raise mux.host_memory_gb")
+                     f"({budget:,} B); {each}. Drop a job or raise host_memory_gb (launchers/mux.py --host_memory_gb)")
