@@ -20,6 +20,7 @@ workdir resumes every job from its newest checkpoint (a finished job has nothing
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -75,6 +76,10 @@ def main(argv: Sequence[str]) -> None:
   workdir = _WORKDIR.value
   group = checked_group(workdir)
   specs = [job.spec for job in group.jobs.values()]
+  if others := other_job_folders(workdir, [s.job_id for s in specs]):
+    print(f"note: {workdir} also holds job folders this group does not run: {', '.join(others)} (a job's folder "
+          "is its position and config name: <i>-<config>; give the jobs in their earlier order to resume them)",
+          file=sys.stderr)
   for s in specs:  # the job as the group runs it (disaggregated, eta 0: group.on_policy), so review reads what ran
     run.save_config(run.config_dict(s.cfg), s.workdir)
     write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused
@@ -107,6 +112,14 @@ def main(argv: Sequence[str]) -> None:
     print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))
   if not any(r["ok"] for r in results.values()):
     raise cli.UserError("every job failed")
+
+
+def other_job_folders(workdir: str, job_ids: Sequence[str]) -> list[str]:
+  """The <i>-<name> folders in `workdir` that hold a job's run (its config.json) and are not among `job_ids`."""
+  if not os.path.isdir(workdir):
+    return []
+  return sorted(d for d in os.listdir(workdir) if d not in job_ids and re.fullmatch(r"\d+-.+", d)
+                and os.path.isfile(os.path.join(workdir, d, "config.json")))
 
 
 COMMON: list[str] = []

@@ -34,6 +34,19 @@ def test_a_job_takes_the_common_overrides_then_its_own():
   assert (jid, c.run.seed, c.run.steps) == ("0-grpo_task", 0, 2)
 
 
+def test_job_folders_the_group_does_not_run_are_named(tmp_path):
+  """Jobs given in another order get other folders (<i>-<config>): the launcher notes the ones left unused."""
+  from launchers.mux import other_job_folders
+
+  for d in ("0-grpo_task", "1-dapo", "2-notes"):
+    (tmp_path / d).mkdir()
+  for d in ("0-grpo_task", "1-dapo"):
+    (tmp_path / d / "config.json").write_text("{}")
+  assert other_job_folders(str(tmp_path), ["0-dapo", "1-grpo_task"]) == ["0-grpo_task", "1-dapo"]
+  assert other_job_folders(str(tmp_path), ["0-grpo_task", "1-dapo"]) == []
+  assert other_job_folders(str(tmp_path / "new"), ["0-dapo"]) == []
+
+
 def test_an_unknown_key_is_rejected_with_its_job_spec():
   with pytest.raises(UserError, match="rl.gruop_size"):
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)
