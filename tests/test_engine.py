@@ -245,6 +245,30 @@ def test_keep_kv_swaps_at_the_next_chunk_and_bad_updates_are_refused(tiny, overl
     eng.update_weights(new, gen_id=1)
 
 
+def test_keep_kv_samples_after_the_swap_under_the_new_weights():
+  """Each token's sampler log-prob is the trainer's under the weights its gen_id names. The new weights differ
+  from the old in the final norm only, so the K/V cached before the swap is right under both and every token must
+  match to fp32. Tags without the weights behind them (the old weights kept) fail: gen-1 tokens then read the old
+  weights' log-probs, which differ here by far more than the tolerance."""
+  graphdef, params = _tiny_params(scale=0.1)
+  new = {**params, "norm": {**params["norm"], "weight": params["norm"]["weight"] * 1.5}}
+  prompts = _prompts(4, seed=21)
+  samples = _engine(graphdef, params, eos_ids=()).run([Request(p, max_new_tokens=16) for p in prompts],
+                                                      on_chunk=_swap_once(new, "keep_kv"))
+  comps = [Completion(p, s.tokens, 0.0, s.logprobs) for p, s in zip(prompts, samples, strict=True)]
+  batch = build_batch(comps, n_micro=1, rows=4, row_len=40, resp_len=16, pack=False)
+  rows = (batch.tokens_MRS[0], batch.positions_MRS[0], batch.segment_ids_MRS[0])
+  gen_BT = np.array([s.gen_ids for s in samples])
+  assert set(gen_BT.ravel()) == {0, 1}
+  sampler_BT = batch.sampler_logp_MBT[0]
+  logp = {g: np.asarray(sequence_logprobs(model_fns(graphdef), w, rows, batch.gather_MBT[0], batch.targets_MBT[0],
+                                          temperature=1.0, chunk=16)[0]) for g, w in ((0, params), (1, new))}
+  for g in (0, 1):
+    diff = np.abs(logp[g] - sampler_BT)[gen_BT == g]
+    assert diff.max() < 1e-5, f"gen {g} tokens: sampler vs trainer under gen {g}'s weights: {diff.max():.2e}"
+  assert np.abs(logp[0] - sampler_BT)[gen_BT == 1].max() > 1e-3, "the two weights must tell apart"
+
+
 # ---------------------------------------------------------------- stop strings
 
 
