@@ -137,6 +137,25 @@ def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameter
   assert all(jax.tree.leaves(moved)), "the RL steps left some parameters as the warm-up did"
 
 
+@pytest.mark.parametrize("policy", ["keep_kv", "finish_on_old"])
+def test_async_weights_land_mid_sequence_only_under_keep_kv(policy, tmp_path):
+  """rollout.update_policy in the async loop: weights that land between chunks continue live sequences under
+  keep_kv (some sample's tokens carry two gen_ids), and under finish_on_old every sample is one version's."""
+  from jaxrl_topo.runtime import experiment, loop
+
+  cfg = _cfg("async", steps=3, **{"run.max_staleness": 1, "run.land_after_chunks": 1, "rollout.update_policy": policy,
+                                  "reward.fn": "reward_fns_for_tests:length", "rollout.max_new_tokens": 12})
+  exp = experiment.build(cfg, str(tmp_path))
+  versions = []
+  try:
+    loop.train_loop(exp, hooks=loop.LoopHooks(
+        on_trained=lambda step, traj: versions.extend(len(set(s.gen_ids)) for s in traj.samples)))
+  finally:
+    exp.close()
+  assert len(versions) == 3 * 4 * 4
+  assert (max(versions) == 2) == (policy == "keep_kv"), f"{policy}: versions per sample {sorted(set(versions))}"
+
+
 def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
   import subprocess
   import sys
