@@ -160,19 +160,26 @@ def test_async_weights_land_mid_sequence_only_under_keep_kv(policy, tmp_path):
 def test_dapo_dynamic_sampling_and_soft_overlong_by_hand(fn, tmp_path):
   """reward.dynamic_sampling over 2 rounds: with a length reward and the soft overlong penalty every group varies,
   so one round is drawn and nothing dropped, and each shaped reward is the length less 0.5 x the tokens past
-  12 - 4, over 4. With a constant reward no group varies: both rounds run, all 8 of their groups are dropped,
-  and the batch is filled from them."""
+  12 - 4, over 4; with overlong filtering the batch masks exactly the completions cut at 12 tokens. With a
+  constant reward no group varies: both rounds run, all 8 of their groups are dropped, and the batch is filled
+  from them."""
   from jaxrl_topo.runtime import experiment, loop
 
-  shaping = {"reward.overlong_buffer": 4, "reward.overlong_penalty": 0.5} if fn == "length" else {}
+  shaping = ({"reward.overlong_buffer": 4, "reward.overlong_penalty": 0.5, "reward.overlong_filter": True}
+             if fn == "length" else {})
   cfg = _cfg("colocated", steps=2, **{"reward.fn": f"reward_fns_for_tests:{fn}", "rollout.max_new_tokens": 12,
                                       "reward.dynamic_sampling": True, "reward.max_sampling_rounds": 2, **shaping})
   exp = experiment.build(cfg, str(tmp_path))
-  trajs = []
+  trajs, cut = [], []
   try:
     loop.train_loop(exp, hooks=loop.LoopHooks(on_trained=lambda step, traj: trajs.append(traj)))
+    for traj in trajs:  # overlong filtering: a completion cut at max_new_tokens carries no loss
+      batch, _ = loop.make_batch(exp, traj, None)
+      cut.append(((batch.mask_MBT.sum(-1) == 0).sum(), sum(s.finish_reason == "length" for s in traj.samples)))
   finally:
     exp.close()
+  if fn == "length":
+    assert all(masked == n for masked, n in cut) and sum(n for _, n in cut) > 0, cut
   assert len(trajs) == 2
   if fn == "length":
     assert any(len(s.tokens) > 8 for t in trajs for s in t.samples), "some completion must reach the buffer"
