@@ -213,8 +213,11 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   with open(tmp_path / "0-grpo_task" / "config.json") as f:  # the job as it ran (before: the config's colocated)
     saved = json.load(f)
   assert (saved["topology"]["mode"], saved["run"]["max_staleness"]) == ("disaggregated", 0)
-  from jaxrl_topo.runtime import run as run_lib  # exports on the trainer's devices alone
-  assert run_lib.export(str(tmp_path / "0-grpo_task"), str(tmp_path / "hf")) == 3
+  # Exported in a one-device process: the trainer's mesh alone (a disaggregated carve would need both devices).
+  export = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "export.py"),
+                           f"--workdir={tmp_path / '0-grpo_task'}", f"--out={tmp_path / 'hf'}"],
+                          env=cpu_env(1, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+  assert export.returncode == 0 and (tmp_path / "hf" / "exported_from.json").is_file(), export.stderr[-3000:]
   spans = read_spans(str(tmp_path / "mux_spans.jsonl"))
   assert {s["job"] for s in spans} == {"0-grpo_task", "1-dapo"}
   assert (tmp_path / "mux_timeline.png").stat().st_size > 0
