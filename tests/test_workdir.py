@@ -279,3 +279,38 @@ def test_a_scripts_run_saves_its_config_for_export(tmp_path, monkeypatch):
     run_lib.train(cfg, str(tmp_path / "w"), progress=False)
   assert seen["config"] == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))
   assert not (tmp_path / "w" / "config.json").exists()  # a run that never started leaves nothing behind
+
+
+def test_a_relaunch_whose_state_does_not_fit_the_checkpoint_keeps_the_runs_record(tmp_path, monkeypatch):
+  """Before: a PPO-with-critic relaunch on a GRPO run's workdir (same model and data, so the same identity)
+  replaced config.json, then failed restoring (the checkpoint has no value head); export and review then read
+  the PPO config for GRPO checkpoints. Now a resumed run's record is replaced only after its checkpoint restored,
+  and the error names what the launch changed against it."""
+  import jax.numpy as jnp
+
+  from jaxrl_topo.runtime import experiment
+  from jaxrl_topo.runtime.checkpoint import Checkpointer
+
+  work = tmp_path / "w"
+  old = from_config_dict(_config(**{"run.steps": 8}))
+  ckpt = Checkpointer(str(work / "checkpoints"))
+  ckpt.save(4, {"params": {"w": jnp.zeros(2)}}, meta={"step": 4})
+  ckpt.close()
+  run_lib._record(old, str(work))
+  before = {p: (work / p).read_bytes() for p in ("config.json", "identity.json")}
+
+  class Fake:  # stands in for the (compiling) build: a state with a critic's leaf the checkpoint lacks
+    state = {"params": {"w": jnp.zeros(2), "value_head": jnp.zeros(3)}}
+
+    def close(self):
+      pass
+
+  monkeypatch.setattr(experiment, "build", lambda cfg, workdir, **kw: Fake())
+  critic = from_config_dict(_config(**{"run.steps": 8, "rl.advantage": "gae", "rl.critic": "shared",
+                                       "rl.group_size": 1}))
+  with pytest.raises(ValueError, match=re.escape("checkpoints were saved under its config.json (kept as it was); "
+                                                 "this launch changes rl.advantage: 'grpo' -> 'gae'; rl.critic: 'none'"
+                                                 " -> 'shared'; rl.group_size: 16 -> 1. Relaunch")) as err:
+    run_lib.train(critic, str(work), progress=False)
+  assert "value_head" in str(err.value)  # the checkpoint's own complaint comes first
+  assert {p: (work / p).read_bytes() for p in before} == before

@@ -58,7 +58,8 @@ RUN_FIGURES = ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s")
 def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   """Runs (or resumes) the run described by `cfg` in `workdir`; returns the summary. Nothing is written there
   until the workdir, the devices and the meshes pass their checks; then identity.json and config.json (so
-  `export(workdir, out)` reads the run back)."""
+  `export(workdir, out)` reads the run back): a new run's at once, a resumed run's once its checkpoint has
+  restored (a relaunch whose state does not fit the checkpoint leaves the run's record as it was)."""
   if cfg.model.matmul_precision == "default":
     return _train(cfg, workdir, progress=progress)
   with jax.default_matmul_precision(cfg.model.matmul_precision):  # every program the run traces
@@ -74,9 +75,8 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   workdir_lib.check_positions(cfg)
   workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
   new = not workdir_lib.has_run(workdir)
-  if _main():
-    workdir_lib.write_identity(cfg, workdir)
-    save_config(config_dict(cfg), workdir)  # what export, review and a relaunch read back (load_config)
+  if new:  # a resumed run's record is replaced only once its checkpoint has restored (below)
+    _record(cfg, workdir)
   # Only the processes holding trainer devices hold (and save) the train state; the others learn the
   # checkpoint's step and meta from the lowest of them, and keep their shard-less state arrays.
   holders = frozenset(d.process_index for d in topology.trainer.devices.flat)
@@ -96,7 +96,10 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if latest is not None:
       meta = None
       if ckpt is not None:
-        exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
+        try:
+          exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
+        except ValueError as e:  # e.g. a critic run relaunched on a critic-less run's workdir
+          raise ValueError(f"{e}\n{_resume_hint(cfg, workdir)}") from e
       meta = hostcomm.broadcast(meta, src=min(holders))
       start, before = meta["step"], meta.get("accuracy_before")
       exp.prompts.set_state(meta["data_state"])  # after the last saved batch
@@ -105,6 +108,8 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
       if start > 0:
         loop_lib.sync_weights(exp, start)
       logging.info("resumed from step %d of %s", start, workdir)
+    if not new:
+      _record(cfg, workdir)
     if before is None:
       before = loop_lib.evaluate(exp, tag=0)
     logging.info("held-out accuracy before RL: %.3f", before)
@@ -217,6 +222,34 @@ def read_spans(workdir: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- the run's config on disk, and export
+
+def _record(cfg: RunConfig, workdir: str) -> None:
+  """identity.json and config.json: what export, review and a relaunch read back (load_config)."""
+  if _main():
+    workdir_lib.write_identity(cfg, workdir)
+    save_config(config_dict(cfg), workdir)
+
+
+def _resume_hint(cfg: RunConfig, workdir: str) -> str:
+  """What a relaunch changed against the workdir's recorded config.json, for a checkpoint that does not fit."""
+  try:
+    old = config_dict(load_config(workdir))
+  except (OSError, ValueError, TypeError):
+    return f"{workdir}'s checkpoints were saved by another configuration; start over with --fresh (run.fresh=True)"
+  a, b = _flat(old), _flat(config_dict(cfg))
+  diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  return (f"{workdir}'s checkpoints were saved under its config.json (kept as it was); this launch changes "
+          f"{'; '.join(diff[:8]) or 'nothing recorded'}{' ...' if len(diff) > 8 else ''}. Relaunch with that "
+          f"config, or start over with --fresh (run.fresh=True)")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  """{'section.key': leaf} of a nested dict."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
 
 def save_config(config, workdir: str) -> None:
   """The ConfigDict as the launcher saw it (overrides applied): export and resume read it back. `train()` writes
