@@ -1,5 +1,7 @@
 """Tests for rollout/sampling.py: kept sets vs a sorting reference, frequencies, log-probs, keys."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -198,11 +200,31 @@ def test_top_p_and_min_p_compile_to_no_sort():
     [(dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
      (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
      (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.0), "top_k"),
-     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.0), "min_p")],
+     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.0), "min_p"), (dict(greedy=1), "greedy"),
+     (dict(temperature="1"), "temperature")],
 )
 def test_config_validation(kwargs, field):
   with pytest.raises(ValueError, match=f"{field}="):
     SamplingConfig(**kwargs)
+
+
+def test_configs_built_in_python_check_their_scalar_types():
+  """The Python API's configs skip the ConfigDict path's type checks; a wrong scalar type used to pass and fail
+  deep in a jit or a schedule (OptimConfig(warmup_steps=2.5) trained with a fractional warm-up). NumPy scalars
+  stand for Python ones; an int stands for a float; a bool stands for no number."""
+  from jaxrl_topo.rollout.engine_config import EngineConfig
+  from jaxrl_topo.train.config import LossConfig, OptimConfig
+
+  for make, says in [
+      (lambda: OptimConfig(warmup_steps=2.5), "OptimConfig.warmup_steps=2.5 must be of type int, not float"),
+      (lambda: OptimConfig(lr=True), "OptimConfig.lr=True must be of type float, not bool"),
+      (lambda: LossConfig(group_size=4, clip_low="0.2"), "LossConfig.clip_low='0.2' must be of type float, not str"),
+      (lambda: EngineConfig(n_slots=8.0), "EngineConfig.n_slots=8.0 must be of type int, not float")]:
+    with pytest.raises(ValueError, match=re.escape(says)):
+      make()
+  assert EngineConfig(n_slots=np.int64(4), page_size=8).n_slots == 4
+  assert OptimConfig(lr=1, max_grad_norm=np.float32(0.5)).lr == 1
+  assert SamplingConfig(temperature=np.float64(0.7), top_k=np.int32(3)).top_k == 3
 
 
 def test_config_truncates_and_greedy_accepts_zero_temperature():

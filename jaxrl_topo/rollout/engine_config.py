@@ -11,6 +11,7 @@ import jax
 from jaxrl_topo.rollout.host_state import _pow2
 from jaxrl_topo.rollout.requests import token_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.runtime.dataclass_io import check_types
 
 KV_DTYPES = ("float32", "bfloat16", "float16")  # what the KV pool may hold
 UPDATE_POLICIES = ("keep_kv", "finish_on_old", "abort_and_resume")  # RolloutEngine.update_weights
@@ -47,6 +48,7 @@ class EngineConfig:
   min_pack_rows: int = 2
 
   def __post_init__(self):
+    check_types("EngineConfig", self)  # the scalar fields' types (n_slots=8.0 would fail deep in a jit)
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")

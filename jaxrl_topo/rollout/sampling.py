@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_topo.rollout import gumbel
+from jaxrl_topo.runtime.dataclass_io import check_types
 
 _BISECT_STEPS = 32  # > log2(#float32 in [0, 1]) = 30: the bisection ends on adjacent floats.
 _ONE_BITS = 0x3F800000  # int32 bit pattern of float32(1.0).
@@ -58,10 +59,11 @@ class SamplingConfig:
   min_p: float = 0.0
 
   def __post_init__(self):
+    check_types("SamplingConfig", self)  # the fields' types: greedy=1 or top_k=2.0 is refused
     # `not x > 0` instead of `x <= 0` so that NaN is rejected too.
     if not self.temperature >= 0 or (not self.greedy and not self.temperature > 0):
       raise ValueError(f"temperature must be > 0 unless greedy, got temperature={self.temperature}")
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+    if self.top_k < 0:
       raise ValueError(f"top_k must be an int >= 0 (0 = off), got top_k={self.top_k!r}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got top_p={self.top_p}")

@@ -6,10 +6,14 @@ Generic over any dataclass whose fields are plain types, tuples, dicts, unions o
 
 import dataclasses
 import difflib
+import functools
 import math
+import numbers
 import types
 import typing
 from typing import Any
+
+import numpy as np
 
 
 def plain(value: Any) -> Any:
@@ -118,9 +122,45 @@ _RANGES = {">=0": (lambda v: v >= 0, ">= 0"), ">=1": (lambda v: v >= 1, ">= 1"),
            "0..1": (lambda v: 0 <= v <= 1, "in [0, 1]"), "finite": (math.isfinite, "a finite number")}
 
 
+_SCALARS = (int, float, bool, str)
+
+
+@functools.cache
+def _scalar_hints(cls) -> tuple[tuple[str, type], ...]:
+  """(field, type) of a dataclass's fields typed as a plain scalar or an optional one (`int`, `float | None`)."""
+  out = []
+  for f in dataclasses.fields(cls):
+    hint = typing.get_type_hints(cls)[f.name]
+    inner = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
+    if f.init and len(inner) == 1 and inner[0] in _SCALARS:
+      out.append((f.name, inner[0]))
+  return tuple(out)
+
+
+def _is_a(value, kind: type) -> bool:
+  """A Python scalar, or a NumPy one standing for it (np.int64 for int; no bool for a number)."""
+  if kind is bool:
+    return isinstance(value, bool | np.bool_)
+  if kind is str:
+    return isinstance(value, str)
+  number = numbers.Integral if kind is int else numbers.Real
+  return isinstance(value, number) and not isinstance(value, bool | np.bool_)
+
+
+def check_types(where: str, obj) -> None:
+  """Raises ValueError naming `where.field` for the first scalar field of the wrong type: a config built in
+  Python skips build_dataclass's checks (`warmup_steps=2.5` would reach the schedule). Call it first in a
+  __post_init__, before other checks compare the fields."""
+  for name, kind in _scalar_hints(type(obj)):
+    value = getattr(obj, name)
+    if value is not None and not _is_a(value, kind):
+      raise ValueError(f"{where}.{name}={value!r} must be of type {kind.__name__}, not {type(value).__name__}")
+
+
 def check_ranges(where: str, obj, **rules: str) -> None:
-  """Raises ValueError naming `where.field` for the first field outside its rule (">=0", ">=1", ">0", "0..1",
-  "finite"); None passes (an optional setting left off). NaN fails every rule."""
+  """check_types, then a ValueError naming `where.field` for the first field outside its rule (">=0", ">=1",
+  ">0", "0..1", "finite"); None passes (an optional setting left off). NaN fails every rule."""
+  check_types(where, obj)
   for name, rule in rules.items():
     value = getattr(obj, name)
     test, text = _RANGES[rule]

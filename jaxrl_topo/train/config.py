@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl_topo.runtime.dataclass_io import check_ranges
+from jaxrl_topo.runtime.dataclass_io import check_ranges, check_types
 
 SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
@@ -30,6 +30,7 @@ class OptimConfig:
   max_grad_norm: float = 1.0  # 0 = no clipping
 
   def __post_init__(self):
+    check_types("OptimConfig", self)  # first: the checks below compare the fields
     if not self.lr > 0:
       raise ValueError(f"OptimConfig.lr={self.lr} must be > 0")
     if self.schedule not in SCHEDULES:
@@ -74,6 +75,7 @@ class LossConfig:
   minibatches: int = 1
 
   def __post_init__(self):
+    check_types("LossConfig", self)  # first: the checks below compare the fields
     if self.advantage not in ADVANTAGES:
       raise ValueError(f"LossConfig.advantage={self.advantage!r}; expected one of {ADVANTAGES}")
     if self.policy_loss not in POLICY_LOSSES:
