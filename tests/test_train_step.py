@@ -463,3 +463,32 @@ def test_loss_config_rejects_bad_settings_naming_the_field(kwargs, match):
 
 def test_loss_config_accepts_group_size_one_where_nothing_compares():
   LossConfig(group_size=1, advantage="reinforce_pp")  # REINFORCE++ whitens over the batch, not the group
+
+
+def test_each_policy_loss_clips_at_its_own_range_unless_the_config_sets_one():
+  """Before: LossConfig's clip_low/clip_high defaulted to PPO's 0.2/0.2 and always reached the loss, so GSPO
+  clipped its sequence ratio ~500x wider than its paper's (3e-4, 4e-4) and CISPO always had a lower bound of 0.8
+  (its paper has none; clip_low=None was refused). Hand-worked: two tokens of log-ratio 0.01, A = 1 (GSPO:
+  s = e^0.01 = 1.01005, past 1 + 4e-4: loss -1.0004 a token, no gradient); a token of ratio 0.5, A = -1
+  (CISPO: gradient -w·A = w, 0.5 unbounded, 0.8 at clip_low=0.2); a token of ratio 1.3, A = 1 (PPO: 1.2)."""
+  def loss_and_grad(lc, logp, old, adv):
+    mask = np.ones_like(logp)
+    f = lambda lp: step_lib._policy_loss(lp, old, adv, mask, lc)[0].sum()  # noqa: E731
+    return float(f(logp)), np.asarray(jax.grad(f)(logp))
+
+  two, zero, one = np.full((1, 2), 0.01, np.float32), np.zeros((1, 2), np.float32), np.ones((1, 2), np.float32)
+  loss, grad = loss_and_grad(LossConfig(group_size=G, policy_loss="gspo"), two, zero, one)
+  np.testing.assert_allclose([loss, *grad[0]], [-2 * 1.0004, 0.0, 0.0], rtol=1e-6)
+  loss, grad = loss_and_grad(LossConfig(group_size=G, policy_loss="gspo", clip_low=0.2, clip_high=0.2), two, zero, one)
+  np.testing.assert_allclose([loss, *grad[0]], [-2 * np.exp(0.01), -np.exp(0.01), -np.exp(0.01)], rtol=1e-6)
+
+  half, minus = np.log(np.full((1, 1), 0.5, np.float32)), -np.ones((1, 1), np.float32)
+  _, grad = loss_and_grad(LossConfig(group_size=G, policy_loss="cispo"), half, np.zeros((1, 1), np.float32), minus)
+  np.testing.assert_allclose(grad, [[0.5]], rtol=1e-6)
+  _, grad = loss_and_grad(LossConfig(group_size=G, policy_loss="cispo", clip_low=0.2), half,
+                          np.zeros((1, 1), np.float32), minus)
+  np.testing.assert_allclose(grad, [[0.8]], rtol=1e-6)
+
+  loss, _ = loss_and_grad(LossConfig(group_size=G), np.log(np.full((1, 1), 1.3, np.float32)),
+                          np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32))
+  np.testing.assert_allclose(loss, -1.2, rtol=1e-6)  # PPO keeps 0.2 / 0.2

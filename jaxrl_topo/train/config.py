@@ -51,8 +51,11 @@ class LossConfig:
   advantage: str = "grpo"
   policy_loss: str = "ppo"
   agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-  clip_low: float = 0.2
-  clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
+  # The ratio's clip range [1 - clip_low, 1 + clip_high]; None = the policy loss's own (rl/losses.py): ppo 0.2 and
+  # 0.2, gspo 3e-4 and 4e-4 (its sequence ratio lives near 1), cispo none below and 0.28. clip_high > clip_low
+  # is DAPO's clip-higher
+  clip_low: float | None = None
+  clip_high: float | None = None
   dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens by c*|A|
   kl_coef: float = 0.0
   kl_kind: str = "k3"  # k1 | k2 | k3
@@ -96,7 +99,8 @@ class LossConfig:
                        f"{' or '.join(map(repr, TOKEN_REWARD_ADVANTAGES))}")
     if self.kl_kind not in ("k1", "k2", "k3"):
       raise ValueError(f"LossConfig.kl_kind={self.kl_kind!r}; expected k1, k2 or k3")
-    if self.clip_low < 0 or self.clip_high < 0 or (self.dual_clip is not None and self.dual_clip <= 1):
+    if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)) or (
+        self.dual_clip is not None and self.dual_clip <= 1):
       raise ValueError("clip_low/clip_high must be >= 0 and dual_clip > 1")
     if not self.temperature > 0 or self.logprob_chunk <= 0:
       raise ValueError("temperature must be > 0 and logprob_chunk positive")

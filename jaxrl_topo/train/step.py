@@ -131,12 +131,12 @@ def _advantages(batch: TrainBatch, pre: dict, lc: LossConfig):
 
 
 def _policy_loss(logp, old, adv, keep, lc: LossConfig):
+  clip = {k: v for k, v in (("clip_low", lc.clip_low), ("clip_high", lc.clip_high)) if v is not None}  # else the loss's
   if lc.policy_loss == "ppo":
-    return loss_lib.ppo_clip(logp, old, adv, keep, clip_low=lc.clip_low, clip_high=lc.clip_high,
-                             dual_clip=lc.dual_clip)
+    return loss_lib.ppo_clip(logp, old, adv, keep, dual_clip=lc.dual_clip, **clip)
   if lc.policy_loss == "gspo":
-    return loss_lib.gspo(logp, old, adv, keep, clip_low=lc.clip_low, clip_high=lc.clip_high)
-  return loss_lib.cispo(logp, old, adv, keep, clip_high=lc.clip_high, clip_low=lc.clip_low)
+    return loss_lib.gspo(logp, old, adv, keep, **clip)
+  return loss_lib.cispo(logp, old, adv, keep, **clip)
 
 
 def _token_terms(logp, ent, values, mb: dict, extra: dict, lc: LossConfig):
