@@ -156,17 +156,18 @@ def test_async_weights_land_mid_sequence_only_under_keep_kv(policy, tmp_path):
   assert (max(versions) == 2) == (policy == "keep_kv"), f"{policy}: versions per sample {sorted(set(versions))}"
 
 
-@pytest.mark.parametrize("fn", ["length", "one"])
-def test_dapo_dynamic_sampling_and_soft_overlong_by_hand(fn, tmp_path):
+@pytest.mark.parametrize("fn, shaped", [("length", True), ("one", False), ("one", True)])
+def test_dapo_dynamic_sampling_and_soft_overlong_by_hand(fn, shaped, tmp_path):
   """reward.dynamic_sampling over 2 rounds: with a length reward and the soft overlong penalty every group varies,
   so one round is drawn and nothing dropped, and each shaped reward is the length less 0.5 x the tokens past
   12 - 4, over 4; with overlong filtering the batch masks exactly the completions cut at 12 tokens. With a
   constant reward no group varies: both rounds run, all 8 of their groups are dropped, and the batch is filled
-  from them."""
+  from them. So it is with the overlong penalty on top: DAPO keeps a group for its accuracy (the main reward)
+  varying, not for a length penalty (before, such a group was kept and trained on the penalty alone)."""
   from jaxrl_topo.runtime import experiment, loop
 
-  shaping = ({"reward.overlong_buffer": 4, "reward.overlong_penalty": 0.5, "reward.overlong_filter": True}
-             if fn == "length" else {})
+  shaping = ({"reward.overlong_buffer": 4, "reward.overlong_penalty": 0.5, "reward.overlong_filter": fn == "length"}
+             if shaped else {})
   cfg = _cfg("colocated", steps=2, **{"reward.fn": f"reward_fns_for_tests:{fn}", "rollout.max_new_tokens": 12,
                                       "reward.dynamic_sampling": True, "reward.max_sampling_rounds": 2, **shaping})
   exp = experiment.build(cfg, str(tmp_path))
@@ -181,18 +182,20 @@ def test_dapo_dynamic_sampling_and_soft_overlong_by_hand(fn, tmp_path):
   if fn == "length":
     assert all(masked == n for masked, n in cut) and sum(n for _, n in cut) > 0, cut
   assert len(trajs) == 2
-  if fn == "length":
+  if shaped:
     assert any(len(s.tokens) > 8 for t in trajs for s in t.samples), "some completion must reach the buffer"
   for traj in trajs:
     groups = traj.rewards_N.reshape(4, 4)
-    if fn == "length":
+    if shaped:
       over = np.array([max(0, len(s.tokens) - 8) for s in traj.samples])
       np.testing.assert_allclose(traj.rewards_N, traj.correct_N - 0.5 * over / 4, rtol=1e-6)
+    if fn == "length":
       assert (traj.info["dapo/rounds"], traj.info["dapo/dropped_groups"]) == (1, 0)
       assert (np.ptp(groups, axis=1) > 0).all()
     else:
       assert (traj.info["dapo/rounds"], traj.info["dapo/dropped_groups"]) == (2, 8)
-      assert (np.ptp(groups, axis=1) == 0).all()
+      assert (np.ptp(traj.correct_N.reshape(4, 4), axis=1) == 0).all()
+      assert (np.ptp(groups, axis=1) > 0).any() if shaped else (np.ptp(groups, axis=1) == 0).all()
 
 
 def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):

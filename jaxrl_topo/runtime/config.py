@@ -174,7 +174,7 @@ class RewardSpec:
   # `max_error_steps` consecutive scoring calls stops the run with an error (checkpoints kept); 0 steps = off.
   max_error_frac: float = 0.5
   max_error_steps: int = 3
-  dynamic_sampling: bool = False  # DAPO: drop groups with zero reward variance, sample more prompts
+  dynamic_sampling: bool = False  # DAPO: drop groups whose main reward (accuracy) never varies, sample more prompts
   max_sampling_rounds: int = 4  # dynamic sampling gives up (trains on what it has) after this many
   overlong_buffer: int = 0  # DAPO soft overlong: the last `buffer` tokens before max_new_tokens cost
   overlong_penalty: float = 1.0  # ...up to this much, linearly

@@ -171,7 +171,8 @@ def seq_base(exp: Experiment, step: int, round_: int) -> int:
 def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None] | None = None,
             on_span: Callable[[dict], None] = lambda s: None) -> Trajectories:
   """Draws a prompt batch, samples G completions each, scores them; DAPO dynamic sampling draws more
-  batches until `data.batch_size` groups have reward variance (or `max_sampling_rounds` are spent)."""
+  batches until `data.batch_size` groups have variance in the main reward (the accuracy, before any shaping
+  or reward-model term; or `max_sampling_rounds` are spent)."""
   cfg, G = exp.cfg, exp.cfg.rl.group_size
   want = cfg.data.batch_size
   keep, spare, info = [], [], collections.Counter()
@@ -193,7 +194,7 @@ def rollout(exp: Experiment, step: int, on_chunk: Callable[[RolloutEngine], None
     info.update(rinfo)
     for g, ex in enumerate(examples):
       group = (ex, samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G], main[g * G : (g + 1) * G])
-      varied = np.ptp(group[2]) > 0
+      varied = np.ptp(group[3]) > 0  # DAPO: the accuracy (main reward) varies; a length penalty is no signal
       (keep if varied or not cfg.reward.dynamic_sampling else spare).append(group)
     info["dapo/rounds"] = round_ + 1
     if len(keep) >= want:
