@@ -39,14 +39,15 @@ _NPROC = flags.DEFINE_integer("num_processes", None, "Processes in the job (expl
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (explicit set-up).")
 
 
-def _axes(spec: str) -> dict[str, int]:
+def _axes(spec: str, flag: str) -> dict[str, int]:
+  """'fsdp=4,tensor=2' -> {'fsdp': 4, 'tensor': 2}; a malformed value is a one-line user error naming the flag."""
   try:
     pairs = [(k, int(v)) for k, v in (part.split("=") for part in spec.split(",") if part)]
   except ValueError:
-    raise app.UsageError(f"mesh axes {spec!r}: expected name=size[,name=size]") from None
+    raise ValueError(f"--{flag}={spec}: expected name=size[,name=size], e.g. fsdp=4,tensor=2") from None
   names = [k for k, _ in pairs]
   if len(set(names)) < len(names):
-    raise app.UsageError(f"mesh axes {spec!r}: an axis is named twice")
+    raise ValueError(f"--{flag}={spec}: an axis is named twice")
   return dict(pairs)
 
 
@@ -59,8 +60,10 @@ def main(argv: Sequence[str]) -> None:
   model_cfg = get_preset(_PRESET.value, **overrides)
   for mode in _MODES.value:
     colocated = mode == "colocated"
-    trainer = _axes((colocated and _COLOC_TRAINER.value) or _TRAINER.value)
-    rollout = _axes((colocated and _COLOC_ROLLOUT.value) or _ROLLOUT.value)
+    trainer = (_axes(_COLOC_TRAINER.value, "colocated_trainer") if colocated and _COLOC_TRAINER.value
+               else _axes(_TRAINER.value, "trainer"))
+    rollout = (_axes(_COLOC_ROLLOUT.value, "colocated_rollout") if colocated and _COLOC_ROLLOUT.value
+               else _axes(_ROLLOUT.value, "rollout"))
     topo_cfg = TopologyConfig.from_dict({"mode": mode, "trainer": trainer, "rollout": rollout})
     for row in run_sync_check(topo_cfg, model_cfg, bucket_bytes=int(_BUCKET_MB.value * 2**20),
                               versions=_VERSIONS.value):

@@ -135,7 +135,9 @@ def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
     ("review.py", ["--n_devices=0"], "error: flag --n_devices=0: must be > 0"),  # before: accepted (-4 refused)
     ("review.py", ["--device_memory_gb=-3"], "error: flag --device_memory_gb=-3.0: must be > 0"),
     ("sync_check.py", ["--versions=0"], "error: flag --versions=0: 0 is not a positive integer"),  # checked nothing
-    ("sync_check.py", ["--trainer=fsdp=1,fsdp=1"], "an axis is named twice"),
+    ("sync_check.py", ["--trainer=fsdp=1,fsdp=1"], "error: --trainer=fsdp=1,fsdp=1: an axis is named twice"),
+    # before: absl's usage text (every flag) with the message last and no error: prefix
+    ("sync_check.py", ["--rollout=data:2"], "error: --rollout=data:2: expected name=size[,name=size]"),
 ])
 def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says):
   out = tmp_path / "rv"
