@@ -266,14 +266,19 @@ def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_unint
     group = Group(specs, MuxConfig(migrate_at=0.5), str(tmp_path), checkpoints=True)
     return group, group.run(hooks_for)
 
+  on_disk = {}
+
   def breaks(jid, exp):
     def on_step(step, m):
       if step == 1:
+        on_disk[jid] = read_spans(str(tmp_path / MUX_SPANS))  # what a kill here would leave
         raise RuntimeError("killed")
     return loop.LoopHooks(on_step=on_step)
 
   _, first = make(breaks)
   assert not first["a"]["ok"] and not first["b"]["ok"]
+  for jid in "ab":  # before: the file was written once the group ended, so a killed group left none
+    assert {0, 1} <= {s["step"] for s in on_disk[jid] if s["job"] == jid and s["phase"] == "train"}, on_disk[jid]
   first_spans = read_spans(str(tmp_path / MUX_SPANS))
   group, again = make()
   for jid in "ab":

@@ -492,3 +492,17 @@ def test_each_policy_loss_clips_at_its_own_range_unless_the_config_sets_one():
   loss, _ = loss_and_grad(LossConfig(group_size=G), np.log(np.full((1, 1), 1.3, np.float32)),
                           np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32))
   np.testing.assert_allclose(loss, -1.2, rtol=1e-6)  # PPO keeps 0.2 / 0.2
+
+
+def test_gspo_weighs_every_sequence_alike_unless_the_config_sets_an_aggregation():
+  """GSPO's objective is a mean over sequences (its token form: each sequence's token mean, then the mean over
+  sequences): with agg left unset its step is the seq-mean-token-mean step, not token-mean's (the ragged toy
+  completions have 1 to 10 tokens, so the two differ). PPO and CISPO keep token-mean."""
+  assert [LossConfig(group_size=G, policy_loss=p).aggregation for p in ("ppo", "gspo", "cispo")] == [
+      "token-mean", "seq-mean-token-mean", "token-mean"]
+  assert LossConfig(group_size=G, policy_loss="gspo", agg="token-mean").aggregation == "token-mean"
+  cfg = lambda **kw: TrainConfig(loss=LossConfig(group_size=G, kl_coef=0.01, policy_loss="gspo", **kw))  # noqa: E731
+  got = _run(cfg(), "toy", 1)
+  _assert_same_step(got, _run(cfg(agg="seq-mean-token-mean"), "toy", 1), "gspo default vs seq-mean-token-mean")
+  with pytest.raises(AssertionError):
+    _assert_same_step(got, _run(cfg(agg="token-mean"), "toy", 1), "gspo default vs token-mean")

@@ -11,7 +11,7 @@ through the loop's hooks, nothing else:
   warm state   off a pool, a job's train state / rollout weights live in host memory (mux/warm.py); a
                phase starts by loading them onto the pool and ends by parking them again; a finished
                train step writes its weights straight into the job's host-side rollout copy (HostSync)
-  spans        every phase is a span carrying the job id (group workdir: mux_spans.jsonl)
+  spans        every phase is a span carrying the job id (group workdir: mux_spans.jsonl, a line as each ends)
   free shards  with mux.resize (runs not run.deterministic), a rollout that starts while another job's
                stragglers decode on their tail engine runs on the data shards the tails leave free
                (mux/migrate.py)
@@ -134,6 +134,7 @@ class Group:
     self.rollout_pool = RoundRobin("rollout", ids)
     self.train_pool = RoundRobin("train", ids)
     self.spans: list[dict] = []
+    self._spans_file = None  # MUX_SPANS, open for appending while the group runs
     self._lock = threading.Lock()
     self._t0 = time.perf_counter()
     self.pools: dict[str, list[int]] = {}
@@ -228,6 +229,9 @@ class Group:
              "end": end - self._t0, "devices": self.pools.get(pool, []), **extra}
     with self._lock:
       self.spans.append(entry)
+      if self._spans_file is not None:  # on disk as it happens: a killed group keeps its timeline up to the kill
+        self._spans_file.write(json.dumps(entry) + "\n")
+        self._spans_file.flush()
 
   def _hooks(self, job: _Job, extra: loop_lib.LoopHooks) -> loop_lib.LoopHooks:
     jid, exp = job.spec.job_id, job.exp
@@ -342,6 +346,8 @@ class Group:
     # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.
     self.spans[:0] = self._earlier_spans()
     self._t0 = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
+    self._write_spans()
+    self._spans_file = open(os.path.join(self.workdir, MUX_SPANS), "a")  # noqa: SIM115 (closed after the jobs)
     threads = []
     for jid, job in self.jobs.items():
       if job.exp is None:
@@ -353,7 +359,10 @@ class Group:
     for t in threads:
       t.join()
     wall = time.perf_counter() - self._t0
-    self._write_spans()
+    with self._lock:
+      self._spans_file.close()
+      self._spans_file = None
+    self._write_spans()  # the same spans, in time order
     out = {}
     for jid, job in self.jobs.items():
       out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall,

@@ -10,6 +10,7 @@ SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 TOKEN_REWARD_ADVANTAGES = ("reinforce_pp", "gae")  # the advantages computed from per-token rewards
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+POLICY_LOSS_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}  # agg=None
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/core.py
 CRITICS = ("none", "shared", "separate")
 
@@ -50,7 +51,10 @@ class LossConfig:
   group_size: int  # completions per prompt; sequences are group-major
   advantage: str = "grpo"
   policy_loss: str = "ppo"
-  agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; None = the policy loss's own
+  # (POLICY_LOSS_AGG): GSPO's objective weighs every sequence alike (seq-mean-token-mean), PPO's and CISPO's every
+  # token (token-mean, as DAPO and MiniMax-M1 do)
+  agg: str | None = None
   # The ratio's clip range [1 - clip_low, 1 + clip_high]; None = the policy loss's own (rl/losses.py): ppo 0.2 and
   # 0.2, gspo 3e-4 and 4e-4 (its sequence ratio lives near 1), cispo none below and 0.28. clip_high > clip_low
   # is DAPO's clip-higher
@@ -83,7 +87,7 @@ class LossConfig:
       raise ValueError(f"LossConfig.advantage={self.advantage!r}; expected one of {ADVANTAGES}")
     if self.policy_loss not in POLICY_LOSSES:
       raise ValueError(f"LossConfig.policy_loss={self.policy_loss!r}; expected one of {POLICY_LOSSES}")
-    if self.agg not in AGGREGATIONS:
+    if self.agg is not None and self.agg not in AGGREGATIONS:
       raise ValueError(f"LossConfig.agg={self.agg!r}; expected one of {AGGREGATIONS}")
     if self.critic not in CRITICS:
       raise ValueError(f"LossConfig.critic={self.critic!r}; expected one of {CRITICS}")
@@ -116,6 +120,11 @@ class LossConfig:
   def updates(self) -> int:
     """Optimizer updates per train step."""
     return self.epochs * self.minibatches
+
+  @property
+  def aggregation(self) -> str:
+    """`agg`, or the policy loss's own where it is None (POLICY_LOSS_AGG)."""
+    return self.agg if self.agg is not None else POLICY_LOSS_AGG[self.policy_loss]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -176,7 +176,7 @@ def _micro_loss(trainable, state, mb, extra, norm, *, fns: PolicyFns, cfg: Train
   logp, ent, h_BTD = _logprobs(fns, _policy(state, trainable, cfg), mb, lc)
   values = _values(fns, trainable, mb, h_BTD) if lc.critic != "none" else None
   loss_BT, value_BT, _ = _token_terms(logp, ent, values, mb, extra, lc)
-  total = aggregate(loss_BT, mb["mask_MBT"], lc.agg, norm)
+  total = aggregate(loss_BT, mb["mask_MBT"], lc.aggregation, norm)
   if value_BT is not None:
     total = total + lc.value_coef * aggregate(value_BT, mb["mask_MBT"], "token-mean", norm)
   per_token = {"logp": logp, "ent": ent} if values is None else {"logp": logp, "ent": ent, "values": values}
