@@ -198,7 +198,9 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
             "rl.group_size": 4, "rollout.n_slots": 16, "run.eval_every": 0, "reward.n_workers": 0,
             "run.tensorboard": False}
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py:tiny",
-         f"--job={CONFIGS}/dapo.py:tiny,run.seed=3,reward.fn=reward_fns_for_tests:raises",
+         # One sampling round a step: the breaker (3 failing scoring calls in a row) stops job 1 at its step 2, after
+         # two steps in the timeline (with DAPO's 4 rounds of all-error scores it stops within step 0's rollout).
+         f"--job={CONFIGS}/dapo.py:tiny,run.seed=3,reward.fn=reward_fns_for_tests:raises,reward.max_sampling_rounds=1",
          f"--workdir={tmp_path}", *[f"--config.{k}={v}" for k, v in common.items()]]
   env = cpu_env(2, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # this checkout's package
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
