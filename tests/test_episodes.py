@@ -204,6 +204,112 @@ def test_a_weight_update_mid_episode_tags_the_tokens_after_it(tiny, policy):
     assert eng.stats["aborted"] > 0
 
 
+def _trainer_gaps(graphdef, weights: dict, prompts, out) -> dict[int, float]:
+  """{gen_id: max |sampler - trainer| log-prob over the sampled tokens of that gen_id}, the trainer under it."""
+  comps = [Completion(prompts[n], s.tokens, 0.0, s.logprobs, s.loss_mask) for n, s in enumerate(out)]
+  batch = build_batch(comps, n_micro=1, rows=len(comps), row_len=96, resp_len=60, pack=False)
+  rows = (batch.tokens_MRS[0], batch.positions_MRS[0], batch.segment_ids_MRS[0])
+  gen = np.full(batch.mask_MBT[0].shape, -1)
+  for n, s in enumerate(out):
+    gen[n, : len(s.gen_ids)] = s.gen_ids
+  gaps = {}
+  for g, w in weights.items():
+    logp = np.asarray(sequence_logprobs(model_fns(graphdef), w, rows, batch.gather_MBT[0], batch.targets_MBT[0],
+                                        temperature=SAMPLING.temperature, chunk=16)[0])
+    on = (batch.mask_MBT[0] > 0) & (gen == g)
+    gaps[g] = float(np.abs(logp - batch.sampler_logp_MBT[0])[on].max())
+  return gaps
+
+
+class LongReply(Scripted):
+  """Episode 0's first turn gets a 20-token reply (its own prefill bucket); every other turn ends the episode."""
+
+  def submit(self, key, sample, turn_start):
+    self.seen.append((key, list(sample.tokens[turn_start:])))
+    self.ready.append((key, list(range(40, 60)), "") if key[1] == 0 and sample.turns == 1 else (key, None, "stop"))
+
+
+def test_a_reply_landing_with_an_abort_does_not_write_through_the_freed_slot(tiny):
+  """Found by a helper's review. Episode 0's reply is handled in the iteration where abort_and_resume lands: the
+  reply queued a one-row prefill (episodes.extend), the abort freed the slot, and the queued prefill still went
+  out, writing K/V through the slot's old page table into pages that resumed sequences now own. Episode 3's
+  tokens after the update then differed from the trainer's by 1.3 in log-prob. Now a freed slot's queued turn is
+  dropped (it resumes from its tokens, the reply among them): every token matches the trainer under its gen_id."""
+  graphdef, params = tiny
+  new = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(9), x.shape), params)
+  rng = np.random.RandomState(5)
+  prompts = [rng.randint(3, 96, 6).tolist() for _ in range(4)]
+  env, eng = LongReply(), _engine(tiny, max_len=96, n_pages=96)
+
+  def on_chunk(engine):
+    if engine.gen_id == 0 and engine._pending is None and any(k[1] == 0 and t for k, t, _ in env.ready):
+      engine.update_weights(new, 1, "abort_and_resume")
+
+  out = eng.run([Request(p, n=1, max_new_tokens=60, stop_ids=STOP, max_turns=3) for p in prompts], on_chunk,
+                turns=env, seq_base=300)
+  assert eng.stats["aborted"] > 0 and sum(1 in s.gen_ids for s in out) >= 2
+  gaps = _trainer_gaps(graphdef, {0: params, 1: new}, prompts, out)
+  assert max(gaps.values()) < 1e-5, gaps
+  eng.pool.check()
+
+
+def test_finish_on_old_with_a_tight_pool_preempts_an_episode_whose_reply_is_queued(tiny):
+  """Found by a helper's review. While a finish_on_old update waits, admission does not flush, so reserve() ran
+  before the queued next turn of episode A went out; it preempted A (the youngest) and the turn went out anyway,
+  for a free slot: 'advance: slot 1 holds no sequence'. Now the run finishes and the pool stays consistent."""
+  graphdef, params = tiny
+  new = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(9), x.shape), params)
+  rng = np.random.RandomState(0)
+  plain = Request(rng.randint(3, 96, 4).tolist(), n=1, max_new_tokens=56)
+  episode = Request(rng.randint(3, 96, 4).tolist(), n=1, max_new_tokens=40, stop_ids=STOP, max_turns=8)
+  eng = _engine(tiny, n_slots=2, n_pages=18, max_len=64, eos_ids=())
+
+  def on_chunk(engine):
+    if engine.gen_id == 0 and engine._pending is None:
+      engine.update_weights(new, 1, "finish_on_old")
+
+  out = eng.run([plain, episode], on_chunk, turns=Scripted(), seq_base=100)
+  eng.pool.check()
+  assert eng.stats["preemptions"] >= 1 and [len(s.tokens) for s in out] == [56, 40]
+
+
+class Slow(Scripted):
+  """Replies only when the stream would otherwise block (an environment slower than the decoder)."""
+
+  def __init__(self):
+    super().__init__()
+    self.held = []
+
+  def poll(self, block):
+    self.held += self.ready
+    self.ready = []
+    if not block:
+      return []
+    out, self.held = self.held, []
+    return out
+
+
+def test_a_request_waits_behind_parked_episodes_instead_of_failing(tiny):
+  """Found by a helper's review. Two episodes parked for a slow environment held 14 of 16 pages, nothing was
+  live, and a queued 28-token prompt raised 'request 3 does not fit the empty pool'. Now the parked episodes
+  are preempted (as reserve() does): they resume from their tokens when the replies come."""
+  graphdef, params = tiny
+  rng = np.random.RandomState(0)
+  turn = [Request(rng.randint(3, 96, 8).tolist(), max_new_tokens=40, stop_strings=("|",), max_turns=2)
+          for _ in range(2)]
+  short = Request(rng.randint(3, 96, 4).tolist(), max_new_tokens=2)
+  long_prompt = Request(rng.randint(3, 96, 28).tolist(), max_new_tokens=8)
+  ecfg = EngineConfig(n_slots=3, page_size=4, n_pages=16, max_len=64, decode_chunk=4, tail_chunk=4, max_chunk=0,
+                      sampling=SAMPLING, eos_ids=())
+  eng = RolloutEngine(graphdef, TINY, params, ecfg,  # a model turn ends after 12 tokens
+                      detokenize=lambda ids: "a" * len(ids) + ("|" if len(ids) >= 12 else ""))
+  out = eng.run([*turn, short, long_prompt], turns=Slow(), seq_base=0)
+  assert [(len(s.tokens), s.finish_reason) for s in out] == [(28, "turns"), (28, "turns"), (2, "length"),
+                                                             (8, "length")]
+  assert eng.stats["preemptions"] >= 1
+  eng.pool.check()
+
+
 def test_env_tokens_get_advantage_zero(episodes):
   """The algorithms' advantages are 0 wherever the loss mask is: environment tokens never get credit."""
   from jaxrl_topo.rl import advantages as adv_lib

@@ -321,7 +321,15 @@ class RolloutEngine:
     self.host.active_B[slot] = False
 
   def _released(self, slot: int) -> None:
-    """Host side of a freed slot (pool already freed): the device must stop decoding it if it may be live."""
+    """Host side of a freed slot (pool already freed): the device must stop decoding it if it may be live, and
+    an episode's next turn queued for it (episodes.extend: a one-row wave) must not go out, or its prefill would
+    write through the slot's old page table into pages with new owners (an abort or a preemption between the
+    reply and the flush; the sequence resumes later from its tokens, the reply among them)."""
+    queued = [w for w in self._waves if slot in w.slots]
+    if any(len(w.slots) > 1 or w.later for w in queued):
+      raise AssertionError(f"slot {slot} freed before its group's prefill went out")  # _flush's invariant
+    if queued:
+      self._waves = [w for w in self._waves if slot not in w.slots]
     self._epoch_B[slot] += 1
     self._copies.pop(slot, None)  # a fork freed before its copy went out: its page may have a new owner
     if self.host.active_B[slot]:

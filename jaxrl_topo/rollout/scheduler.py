@@ -244,10 +244,13 @@ class _Loop:
         slots, pin = eng._admit_group(list(req.prompt_ids) + done, [int(self.base[r]) + i for i in now],
                                       max_new_tokens=req.max_new_tokens - len(done), stop_ids=req.stop_ids,
                                       lookahead=lookahead, later=[int(self.base[r]) + i for i in later])
-      except OutOfPages:
-        if not self.live:
-          raise RuntimeError(f"request {r} does not fit the empty pool") from None
-        return
+      except OutOfPages as err:
+        if self.live:
+          return  # pages come free as live rows finish
+        # Only episodes parked for their environment hold pages: they resume on their reply.
+        if any(slot is not None for slot in self.waiting.values()) and self.preempt(err):
+          continue
+        raise RuntimeError(f"request {r} does not fit the empty pool") from None
       self.queue.popleft()
       eng.stats["resumed"] += resume
       for i in samples:
@@ -363,20 +366,28 @@ class _Loop:
           if self.pinned:  # pinned prompts go first: their samples can be prefilled again
             self.drop_pins()
             continue
-          seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
-          parked = {eng.pool.seq_id(s): key for key, s in self.waiting.items() if s is not None}
-          for seq in eng.pool.preempt_youngest(err.needed, err.shard):
-            eng.stats["preemptions"] += 1
-            if seq in parked:  # an episode waiting for its environment: it resumes when the reply comes
-              eng._released(self.waiting[parked[seq]])
-              self.waiting[parked[seq]] = None
-              continue
-            victim = seq_to_slot[seq]
-            r, i = self.live.pop(victim)
-            eng._released(victim)
-            # recomputed later: same keys, same tokens (an episode resumes from its tokens so far, whose
-            # environment turns must not run again)
-            self.queue.appendleft((r, [i], bool(self.requests[r].max_turns)))
+          self.preempt(err)
+
+  def preempt(self, err: OutOfPages) -> int:
+    """Frees the youngest sequences of err's data shard until its `needed` pages are free (how many it freed);
+    live ones are requeued, parked episodes resume when their environment replies."""
+    eng = self.engine
+    seq_to_slot = {eng.pool.seq_id(s): s for s in self.live}
+    parked = {eng.pool.seq_id(s): key for key, s in self.waiting.items() if s is not None}
+    freed = eng.pool.preempt_youngest(err.needed, err.shard)
+    for seq in freed:
+      eng.stats["preemptions"] += 1
+      if seq in parked:  # an episode waiting for its environment: it resumes when the reply comes
+        eng._released(self.waiting[parked[seq]])
+        self.waiting[parked[seq]] = None
+        continue
+      victim = seq_to_slot[seq]
+      r, i = self.live.pop(victim)
+      eng._released(victim)
+      # recomputed later: same keys, same tokens (an episode resumes from its tokens so far, whose
+      # environment turns must not run again)
+      self.queue.appendleft((r, [i], bool(self.requests[r].max_turns)))
+    return len(freed)
 
   def land_update(self) -> None:
     """Applies pending weights; under abort_and_resume every live sequence is requeued to resume."""
