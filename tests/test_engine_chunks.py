@@ -4,6 +4,7 @@ free up, preemption, and what compiles. Every schedule must give the tokens of a
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from test_engine import SAMPLED, TINY, _detok, _engine, _prompts, _tiny_params
@@ -253,3 +254,24 @@ def test_a_window_is_sized_from_the_live_rows_not_an_idle_slot(tiny, monkeypatch
   assert got[0].tokens == _engine(graphdef, params, n_slots=2, eos_ids=(), impl="bucketed").run([z])[0].tokens
   z_windows = [w for w, epochs in windows if epochs[0] > 1]  # dispatches after Z took slot 0
   assert z_windows and z_windows[0] == 1, windows
+
+
+def test_first_tokens_read_for_a_dropped_pin_are_not_kept(tiny):
+  """Found by a helper's review: a weight update drops the pins (their waiting samples are prefilled afresh);
+  first tokens sampled for them by a prefill read after that were stored in `first_of` for good (two entries
+  left after this run, a few more per update or preemption of a long run). Now they are dropped on read."""
+  graphdef, params = tiny
+  new = jax.tree.map(lambda x: x * 1.01, params)
+  requests = [Request(p, n=3, max_new_tokens=m) for p, m in zip(_prompts(4, seed=21, max_len=10), [3, 9, 4, 7],
+                                                                 strict=True)]
+  eng, chunks = _engine(graphdef, params, decode_chunk=1, tail_chunk=1), []
+
+  def on_chunk(engine):
+    chunks.append(1)
+    if len(chunks) == 3:
+      engine.update_weights(new, 1, "keep_kv")
+
+  eng.run(requests, on_chunk)
+  assert eng.stats["pinned_groups"] >= 2 and eng.gen_id == 1
+  assert eng.first_of == {} and eng.pool.pins() == []
+  eng.pool.check()

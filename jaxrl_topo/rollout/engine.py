@@ -284,7 +284,8 @@ class RolloutEngine:
     for (tok_N, lp_N), (_, _, rows) in zip(firsts, d.firsts, strict=True):
       for n, (slot, epoch, gen_id) in rows.items():
         if slot == e.n_slots:  # no slot yet: `epoch` is (seq id, pin id)
-          self.first_of[epoch] = (int(tok_N[n]), float(lp_N[n]), gen_id)
+          if self.pool.has_pin(epoch[1]):  # a pin dropped since (an update, a preemption) starts nobody
+            self.first_of[epoch] = (int(tok_N[n]), float(lp_N[n]), gen_id)
           continue
         if self._epoch_B[slot] != epoch:
           continue

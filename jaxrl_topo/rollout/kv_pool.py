@@ -239,6 +239,9 @@ class PagePool:
   def pins(self) -> list[int]:
     return list(self._pins)
 
+  def has_pin(self, pin_id: int) -> bool:
+    return pin_id in self._pins
+
   def fits(self, n_new_tokens: dict[int, int]) -> bool:
     """Whether `ensure_capacity(slot, n)` for every {slot: n} would find its pages free (nothing
     allocated here)."""
