@@ -171,8 +171,8 @@ def test_a_batch_the_prompts_cannot_fill_is_refused_with_nothing_written(tmp_pat
   monkeypatch.chdir(tmp_path)
   with pytest.raises(ValueError, match=re.escape(
       "data.batch_size=100000 is over 8 x the 1000 training prompts (8000): each step would hold every prompt about "
-      "100 times; lower data.batch_size to 8000 or less (1000 or less holds each prompt at most once a step), or add "
-      "prompts")):
+      "100 times; lower data.batch_size to 8000 or less (1000 or less holds a prompt at most once a step, twice in a "
+      "step that crosses an epoch), or add prompts")):
     workdir.check_data(from_config_dict(_config(**{"data.batch_size": 100000})))
   assert not os.listdir(tmp_path)
   workdir.check_data(from_config_dict(_config(**{"data.batch_size": 8000})))

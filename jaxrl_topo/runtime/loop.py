@@ -77,7 +77,7 @@ def make_batch(exp: Experiment, traj: Trajectories, version: int | None = None) 
   if budget and n_micro > 1:  # even out the microbatches' tokens, so none needs more rows than the others
     order = [g * G + j for g in balance_groups([sum(len(prompts[g * G]) + len(s.tokens) for s in
                                                     samples[g * G : (g + 1) * G]) for g in range(len(samples) // G)],
-                                                n_micro) for j in range(G)]
+                                                n_micro, cfg.rl.minibatches) for j in range(G)]
     samples, rewards, prompts = [samples[i] for i in order], rewards[order], [prompts[i] for i in order]
   comps = [Completion(p, s.tokens, float(r), s.logprobs, s.loss_mask) for p, s, r in zip(prompts, samples, rewards,
                                                                                         strict=True)]

@@ -209,7 +209,8 @@ def check_data(cfg: RunConfig) -> None:
   if batch > most:
     raise ValueError(f"data.batch_size={batch} is over {MAX_BATCH_PER_PROMPT} x the {n} training prompts ({most}): "
                      f"each step would hold every prompt about {round(batch / n)} times; lower data.batch_size to "
-                     f"{most} or less ({n} or less holds each prompt at most once a step), or add prompts")
+                     f"{most} or less ({n} or less holds a prompt at most once a step, twice in a step that crosses "
+                     f"an epoch), or add prompts")
 
 
 def check_model(cfg: RunConfig) -> None:

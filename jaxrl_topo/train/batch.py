@@ -81,17 +81,26 @@ def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[tuple[int
   return out
 
 
-def balance_groups(group_tokens: Sequence[int], n_micro: int) -> list[int]:
+def balance_groups(group_tokens: Sequence[int], n_micro: int, minibatches: int = 1) -> list[int]:
   """A group order whose `n_micro` consecutive equal slices carry nearly equal tokens (longest group first
   into the lightest microbatch with room). Whole groups move, so the order stays group-major, and the
-  loss, normalised over the global batch, does not depend on which microbatch holds which group."""
-  per = len(group_tokens) // n_micro
-  load, members = [0] * n_micro, [[] for _ in range(n_micro)]
-  for g in sorted(range(len(group_tokens)), key=lambda g: -group_tokens[g]):
-    m = min((m for m in range(n_micro) if len(members[m]) < per), key=lambda m: load[m])
-    members[m].append(g)
-    load[m] += group_tokens[g]
-  return [g for m in members for g in sorted(m)]
+  loss, normalised over the global batch, does not depend on which microbatch holds which group. With
+  several optimizer updates a step (`minibatches`, each on its consecutive microbatches), groups move only
+  within their minibatch: each update sees the groups it would unbalanced. Groups that do not divide over
+  the microbatches keep their order (a group then spans two microbatches, as in the padded layout)."""
+  n = len(group_tokens)
+  if n % n_micro or n_micro % minibatches:
+    return list(range(n))
+  per, micro_per = n // n_micro, n_micro // minibatches
+  order = []
+  for first in range(0, n, n // minibatches):
+    load, members = [0] * micro_per, [[] for _ in range(micro_per)]
+    for g in sorted(range(first, first + n // minibatches), key=lambda g: -group_tokens[g]):
+      m = min((m for m in range(micro_per) if len(members[m]) < per), key=lambda m: load[m])
+      members[m].append(g)
+      load[m] += group_tokens[g]
+    order += [g for m in members for g in sorted(m)]
+  return order
 
 
 def _rows_needed(lengths: Sequence[int], n_micro: int, row_len: int) -> int:
