@@ -180,7 +180,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     batch, layout = make_batch(exp, traj, version)
     traj.info.update(layout)
     if not checked:
-      check_batch(batch, exp.topology.trainer, TRAIN_RULES, cfg.rl.group_size)
+      check_batch(batch, exp.topology.trainer, TRAIN_RULES, cfg.rl.group_size, vocab_size=exp.model_cfg.vocab_size)
       checked = True
     if mode == "colocated":
       exp.engine.release_kv()
