@@ -275,6 +275,20 @@ def test_weight_updates_land_as_on_one_device(tiny, policy):
   assert eng.gen_id == 1 and any(1 in s.gen_ids for s in got)
 
 
+def test_update_weights_refuses_another_layout_on_the_same_devices(tiny):
+  """Found by a helper's review: weights replicated over the engine's 4 devices, where the engine's own are split
+  over `tensor`, passed the device check; every decode and prefill program then compiled again at the next
+  chunk (steady state compiled). Now refused from the shardings, naming the leaf."""
+  graphdef, params = tiny
+  mesh = _mesh(2, 2)
+  eng = _sharded_engine(graphdef, params, mesh)
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  with pytest.raises(ValueError, match=r"update_weights: \['embed_tokens'\].* is laid out as .* in the new params"):
+    eng.update_weights(replicated, gen_id=1)
+  eng.update_weights(_on_mesh(jax.tree.map(lambda x: x * 1.01, params), mesh), gen_id=1)  # the engine's layout
+  assert eng.gen_id == 1
+
+
 def test_release_kv_gives_back_the_shards_and_reallocates_them_without_compiling(tiny):
   """Colocated mode frees the pool between runs: the next run gets it back, born sharded, from the
   engine's one jitted builder, and decodes the same tokens."""

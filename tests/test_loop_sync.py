@@ -124,3 +124,52 @@ def test_sync_config_is_validated():
   with pytest.raises(ValueError, match="did you mean 'bucket_mib'"):
     from_config_dict(raw)
   assert _cfg(**{"sync.bucket_mib": 2}).sync.bucket_bytes == 2 * 2**20
+
+
+def test_delta_sync_while_an_update_waits_to_swap_reuses_the_pending_weights(tmp_path):
+  """Found by a helper's review. In a continuous stream the next sync can come before the engine swapped in the
+  last one. The plan compares against the weights it sent last (the pending ones) but reused the engine's
+  current arrays for unchanged buckets, which the previous delta sync had deleted wherever they changed:
+  'BlockHostUntilReady() called on deleted or donated buffer'. Here the cosine schedule reaches lr 0 at the last
+  step, so its sync changes nothing after a sync that changed everything."""
+  import dataclasses
+
+  cfg = _cfg(3, **{"sync.mode": "delta", "sync.bucket_mib": 16 / 1024, "optim.weight_decay": 0.1,
+                   "optim.lr": 1e-3, "optim.schedule": "cosine"})
+  cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=2))
+  pending_at_sync = []
+
+  def setup(exp):
+    real = exp.engine.update_weights
+
+    def spy(params, gen_id, policy="keep_kv"):
+      pending_at_sync.append(exp.engine._pending is not None)
+      return real(params, gen_id, policy)
+    exp.engine.update_weights = spy
+
+  records, rollout_w, trainer = _train(cfg, tmp_path, setup)
+  assert any(pending_at_sync), "the stream should sync once with an update still pending"
+  assert [r["sync/changed_frac"] for r in records][-2:] == [1.0, 0.0]
+  for got, t in zip(jax.tree.leaves(rollout_w), jax.tree.leaves(trainer), strict=True):
+    np.testing.assert_array_equal(got, t.astype(got.dtype))
+
+
+def test_lora_sync_keeps_its_own_base_when_the_transfer_is_zero_copy(tmp_path):
+  """Found by a helper's review. On the one-device colocated fp32 layout the frozen base's transfer is an alias:
+  the rollout's base *was* the trainer's array, which the first train step donated, and the next sync failed
+  with 'Buffer has been deleted or donated'. Two steps now run and the merged weights equal the trainer's."""
+  c = load_config("grpo_task", "tiny", **{"run.steps": 2, "run.eval_every": 0, "run.tensorboard": False,
+                                          "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 0,
+                                          "data.batch_size": 2, "rl.group_size": 4, "rollout.n_slots": 8,
+                                          "run.checkpoint_every": 0, "lora.rank": 4, "lora.alpha": 8.0,
+                                          "sync.mode": "lora", "optim.weight_decay": 0.1})
+  cfg = from_config_dict(c)
+  exp = experiment.build(cfg, str(tmp_path))
+  try:
+    assert {leaf.route for leaf in exp.sync.plan.leaves} == {"alias"}  # the layout the bug needs
+  finally:
+    exp.close()
+  records, rollout_w, trainer = _train(cfg, tmp_path / "run")
+  assert len(records) == 2
+  for got, want in zip(jax.tree.leaves(rollout_w), jax.tree.leaves(trainer), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

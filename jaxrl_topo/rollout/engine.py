@@ -142,6 +142,11 @@ class RolloutEngine:
     if not self._running:
       self._swap()
 
+  @property
+  def newest_params(self):
+    """The weights of the newest gen_id handed to update_weights: a pending update's until it swaps in."""
+    return self._pending.params if self._pending is not None else self.params
+
   def _swap(self) -> None:
     self.params, self.gen_id, self._pending = self._pending.params, self._pending.gen_id, None
     self.stats["weight_updates"] += 1

@@ -113,6 +113,10 @@ def check_update(old, new, policy: str) -> None:
     if isinstance(a, jax.Array) and isinstance(b, jax.Array) and a.sharding.device_set != b.sharding.device_set:
       raise ValueError(f"update_weights: {path} lies on devices {_ids(b)} in the new params, on {_ids(a)} in the "
                        "engine's: put them on the engine's devices (e.g. jax.device_put(params, shardings))")
+    if isinstance(a, jax.Array) and isinstance(b, jax.Array) and not a.sharding.is_equivalent_to(b.sharding, a.ndim):
+      raise ValueError(f"update_weights: {path} is laid out as {b.sharding} in the new params, {a.sharding} in the "
+                       "engine's (every generate program would compile again): put them in the engine's layout "
+                       "(e.g. jax.device_put(params, jax.tree.map(lambda x: x.sharding, engine.params)))")
   extra = [path for path in got if path not in have]
   if extra:
     raise ValueError(f"update_weights: the new params hold {extra[0]}, which the engine's do not")

@@ -105,7 +105,9 @@ def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict
   """Trainer weights (version `version`) -> the rollout layout (sync.mode) -> the engine. The engine's
   current weights are freed bucket by bucket as the new ones land, except under finish_on_old, where
   live sequences keep decoding on them until the swap."""
-  params, stats = exp.sync(exp.state, None if policy == "finish_on_old" else exp.engine.params)
+  # The old destination is the newest weights the engine holds, a pending update's if one has not swapped in yet:
+  # delta reuses its unchanged buckets (the plan compares against the last weights sent, which are those).
+  params, stats = exp.sync(exp.state, None if policy == "finish_on_old" else exp.engine.newest_params)
   exp.engine.update_weights(params, version, policy)
   return stats
 

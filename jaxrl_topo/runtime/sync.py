@@ -32,7 +32,9 @@ class WeightSync:
     bucket = cfg.sync.bucket_bytes
     if self.mode == "lora":
       base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket)
-      self.base, _ = base_plan.run(state.frozen)  # the frozen base crosses once; only adapters follow
+      base, _ = base_plan.run(state.frozen)  # the frozen base crosses once; only adapters follow
+      # A zero-copy route hands back the trainer's own array, which the next train step donates: keep a copy.
+      self.base = jax.tree.map(lambda b, f: jax.device_put(b, may_alias=False) if b is f else b, base, state.frozen)
       adapters = state.params["policy"]
       self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket)
     else:
