@@ -248,11 +248,21 @@ def tiny_abstract():
 
 
 def test_check_model_fits_names_role_tensor_and_axes(tiny_abstract):
-  topo = carve(_cfg(rollout_axes=(("tensor", 4),)))  # tiny's 2 kv heads cannot split 4 ways
-  with pytest.raises(ValueError, match=r"role 'rollout' \(rollout mesh \{'tensor': 4\}\): .*k_proj.*kernel.*"
-                                       r"dim 1 \(kv_heads=2\) does not divide over mesh axes tensor \(4 ways\)"):
-    check_model_fits(topo, tiny_abstract)
-  check_model_fits(topo, tiny_abstract, roles=("actor",))  # the trainer side (fsdp=4) is fine
+  topo = carve(_cfg(mode="colocated", trainer_axes=(("fsdp", 8),), rollout_axes=(("tensor", 8),)))
+  with pytest.raises(ValueError, match=r"role 'rollout' \(rollout mesh \{'tensor': 8\}\): .*self_attn.*kernel.*"
+                                       r"\(heads=4\) does not divide over mesh axes tensor \(8 ways\)"):
+    check_model_fits(topo, tiny_abstract)  # tiny's 4 query heads cannot split 8 ways
+  check_model_fits(topo, tiny_abstract, roles=("actor",))  # the trainer side (fsdp=8) is fine
+
+
+def test_kv_heads_fewer_than_the_tensor_axis_are_replicated_not_refused(tiny_abstract):
+  """tiny's 2 KV heads at tensor=4 (as Qwen2.5-0.5B's at tensor=4): the KV projections are replicated over
+  `tensor` (before: refused, so the loop could not reach the engine's KV-head replication); query heads split."""
+  out = check_model_fits(carve(_cfg(rollout_axes=(("tensor", 4),))), tiny_abstract)
+  attn = out["rollout"]["layers"][0]["self_attn"]
+  for proj in ("k_proj", "v_proj"):
+    assert attn[proj]["kernel"].spec == PartitionSpec(None, None, None)
+  assert attn["q_proj"]["kernel"].spec == PartitionSpec(None, "tensor", None)
 
 
 def test_check_model_fits_returns_shardings_per_role(tiny_abstract):

@@ -197,12 +197,14 @@ def test_logical_to_spec_drops_absent_and_reused_axes():
 
 
 def test_named_sharding_names_the_tensor_that_does_not_divide():
+  """Every sharded dim must divide, except KV heads fewer than their axis: those are replicated (GQA)."""
   mesh = make_mesh({"data": 2, "tensor": 4})
-  with pytest.raises(ValueError, match=r"k_proj.*kv_heads=2.*4 ways"):
-    named_sharding(("embed", "kv_heads", "head_dim"), ROLLOUT_RULES, mesh, (64, 2, 16), what="k_proj")
-  _, abstract = abstract_model(TINY)  # tiny has K=2 kv heads: tensor=4 cannot split them
-  with pytest.raises(ValueError, match=r"\['self_attn'\]\['k_proj'\]\['kernel'\].*kv_heads=2"):
-    param_shardings(abstract, mesh, ROLLOUT_RULES)
+  with pytest.raises(ValueError, match=r"q_proj.*heads=2.*4 ways"):
+    named_sharding(("embed", "heads", "head_dim"), ROLLOUT_RULES, mesh, (64, 2, 16), what="q_proj")
+  assert named_sharding(("embed", "kv_heads", "head_dim"), ROLLOUT_RULES, mesh, (64, 2, 16)).spec == P(None, None, None)
+  _, abstract = abstract_model(TINY)  # tiny has N=4 heads, K=2 kv heads
+  with pytest.raises(ValueError, match=r"\['self_attn'\]\['[oq]_proj'\]\['kernel'\].*heads=4.*8 ways"):
+    param_shardings(abstract, make_mesh({"tensor": 8}), ROLLOUT_RULES)
 
 
 def test_param_shardings_for_tiny_on_fsdp4_tensor2():

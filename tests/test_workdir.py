@@ -214,9 +214,9 @@ def test_a_model_directory_is_named_as_the_caller_names_it(tmp_path):
     (dict(mode="colocated", trainer={"tensor": 3}, rollout={"tensor": 3}), {},
      "role 'actor' (trainer mesh {'tensor': 3}): ['embed_tokens']: dim 0 (vocab=128) does not divide over mesh axes "
      "tensor (3 ways)"),
-    (dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"tensor": 4}), {},
-     "role 'rollout' (rollout mesh {'tensor': 4}): ['layers'][0]['self_attn']['k_proj']['kernel']: dim 1 "
-     "(kv_heads=2) does not divide over mesh axes tensor (4 ways)"),
+    (dict(mode="colocated", trainer={"fsdp": 8}, rollout={"tensor": 8}), {},  # (KV heads would be replicated)
+     "role 'rollout' (rollout mesh {'tensor': 8}): ['layers'][0]['self_attn']['o_proj']['kernel']: dim 0 "
+     "(heads=4) does not divide over mesh axes tensor (8 ways)"),
     (dict(mode="disaggregated", trainer={"data": 2, "fsdp": 2}, rollout={"data": 2}),
      {"data.batch_size": 3, "rl.group_size": 2, "rollout.n_slots": 16},
      "data.batch_size x rl.group_size / run.n_micro = 3 x 2 / 1 = 6 sequences per microbatch do not divide over the "

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.topology.carve import TopologyConfig
-from jaxrl_topo.topology.rules import ROLLOUT_RULES, TRAIN_RULES, Rules, logical_to_spec
+from jaxrl_topo.topology.rules import REPLICATE_IF_UNEVEN, ROLLOUT_RULES, TRAIN_RULES, Rules, logical_to_spec
 from jaxrl_topo.train.config import CRITICS, LoraConfig
 from jaxrl_topo.train.lora import _n_in_dims  # one source of truth for how adapters split a kernel
 
@@ -113,10 +113,13 @@ def _spec(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple:
 
 
 def shard_shape(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple[int, ...]:
-  """The per-device shape of `leaf` on a mesh of `axes`; raises, like the engine would, if a dim doesn't divide."""
+  """The per-device shape of `leaf` on a mesh of `axes`; raises, like the engine would, if a dim doesn't divide
+  (KV heads fewer than their axis are replicated, as topology/rules.py places them)."""
   out = []
   for dim, (size, entry) in enumerate(zip(leaf.shape, _spec(leaf, rules, axes), strict=True)):
     ways = math.prod(axes[a] for a in _names(entry))
+    if size % ways and leaf.axes[dim] in REPLICATE_IF_UNEVEN:
+      ways = 1
     if size % ways:
       raise ValueError(f"{'.'.join(map(str, leaf.path))}: dim {dim} ({leaf.axes[dim]}={size}) does not divide over "
                        f"mesh axes {entry} ({ways} ways) of mesh {axes}")

@@ -64,18 +64,39 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> Pa
   return PartitionSpec(*spec)
 
 
+# Logical axes replicated, not refused, where their size does not divide over their mesh axes: a GQA model's few
+# KV heads under a wider `tensor` axis (Qwen2.5-0.5B's 2 at tensor=4). Each tensor shard then computes every KV
+# head (a small projection) and its query heads read theirs; other axes must divide.
+REPLICATE_IF_UNEVEN = frozenset({"kv_heads"})
+
+
+def _fitted(names: Sequence[str | None], spec: PartitionSpec, mesh: Mesh, shape: Sequence[int],
+            what: str | None) -> PartitionSpec:
+  """`spec` with REPLICATE_IF_UNEVEN dims that do not divide replicated; another such dim raises, naming `what`
+  (None: left to JAX)."""
+  out = list(spec) + [None] * (len(shape) - len(spec))
+  for dim, (size, axes) in enumerate(zip(shape, out, strict=True)):
+    if axes is None:
+      continue
+    ways = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+    if size % ways:
+      if names[dim] in REPLICATE_IF_UNEVEN:
+        out[dim] = None
+        continue
+      if what is None:
+        continue
+      raise ValueError(f"{what}: dim {dim} ({names[dim]}={size}) does not divide over mesh axes {axes} "
+                       f"({ways} ways); choose a mesh whose axis sizes divide it")
+  return PartitionSpec(*out)
+
+
 def named_sharding(names: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None,
                    what: str = "tensor") -> NamedSharding:
-  """NamedSharding for `names`; with `shape`, checks each sharded dim divides evenly, naming `what`."""
+  """NamedSharding for `names`; with `shape`, checks each sharded dim divides evenly, naming `what` (KV heads
+  that do not are replicated instead: REPLICATE_IF_UNEVEN)."""
   spec = logical_to_spec(names, rules, mesh)
   if shape is not None:
-    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape), strict=False)):
-      if axes is None:
-        continue
-      ways = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
-      if size % ways:
-        raise ValueError(f"{what}: dim {dim} ({names[dim]}={size}) does not divide over mesh axes {axes} "
-                         f"({ways} ways); choose a mesh whose axis sizes divide it")
+    spec = _fitted(names, spec, mesh, shape, what)
   return NamedSharding(mesh, spec)
 
 
@@ -83,8 +104,9 @@ def constrain(x: jax.Array, names: Sequence[str | None], sharding: ActivationSha
   """Pins an activation's layout inside jit; identity when no sharding is configured."""
   if sharding is None:
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, logical_to_spec(
-      names, sharding.rules, sharding.mesh)))
+  spec = logical_to_spec(names, sharding.rules, sharding.mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, _fitted(names, spec, sharding.mesh,
+                                                                                   x.shape, None)))
 
 
 @dataclasses.dataclass(frozen=True)
