@@ -35,3 +35,13 @@ class CrashesWorker(Chatty):
   def step(self, model_text):
     import os
     os._exit(3)
+
+
+class LongResetEmptyReply:
+  """A 200-character reset observation; every step replies nothing and goes on."""
+
+  def reset(self, example):
+    return "y" * 200
+
+  def step(self, model_text):
+    return "", 0.0, False, {}

@@ -4,6 +4,7 @@ chat rendering of environment replies against transformers' apply_chat_template.
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import transformers
@@ -12,7 +13,7 @@ from test_tokenizer import HEADER_SPECIALS
 from jaxrl_topo.data import tasks, tool_calc
 from jaxrl_topo.envs import env as env_lib
 from jaxrl_topo.envs.env_pool import EnvPool
-from jaxrl_topo.envs.turns import demonstrations, first_prompt, reply_ids, reply_text
+from jaxrl_topo.envs.turns import EnvTurns, demonstrations, first_prompt, reply_ids, reply_text
 from jaxrl_topo.models import tokenizer as tk
 
 EX = {"prompt": "12*34=", "answer": "408", "task": "tool_calc", "expr": "12*34"}
@@ -201,3 +202,27 @@ def test_warmup_demonstrations_mask_the_environment_tokens(tmp_path):
                  "<|im_start|>assistant\n408<|im_end|>"
   model = ours.decode([t for t, m in zip(resp, mask, strict=True) if m], skip_special_tokens=False)
   assert model == "<calc>12*34</calc>408<|im_end|>"
+
+
+def test_a_long_reset_keeps_its_last_tokens_and_an_empty_reply_is_an_env_error(tmp_path):
+  """Found by a helper's review: a reset observation over data.max_prompt_len reached the engine and stopped the
+  run ('prompt 219 + max_new_tokens 32 > max_len 96'); an empty observation without a chat template is no tokens,
+  and the engine refused the reply (run stopped). Now the prompt keeps its last max_prompt_len tokens, as
+  data.overlong="truncate" does (counted), and a reply of no tokens ends the episode as an environment error."""
+  tok, _, _ = _tokenizers(tmp_path, "qwen2")
+  turns = EnvTurns(EnvPool("envs_for_tests:LongResetEmptyReply", n_workers=0), tok, chat=False, error_score=-1.0,
+                   max_prompt_len=16)
+  [got], info = turns.prepare([{"prompt": "1+1=", "answer": "2", "prompt_ids": tok.encode("1+1=")}])
+  assert info == {"env/reset_errors": 0, "env/reset_truncated": 1}
+  assert got["prompt_ids"] == tok.encode("y" * 200)[-16:]
+  turns.add("t", [got], 1)
+  turns.submit(("t", 0, 0), types.SimpleNamespace(tokens=tok.encode("ab")), 0)
+  assert _replies(turns) == [(("t", 0, 0), None, "env_error")]
+  assert turns.episodes[("t", 0, 0)].ret == -1.0
+
+
+def _replies(turns, timeout_s: float = 30.0) -> list:
+  deadline, out = time.monotonic() + timeout_s, []
+  while not out and time.monotonic() < deadline:
+    out = turns.poll(block=True)
+  return out

@@ -26,6 +26,8 @@ M = "reward_fns_for_tests:"  # tests/reward_fns_for_tests.py, importable in the 
     ("We get 12 apples and then 1,500 pears.", "1500"),
     ("no digits here", None),
     ("", None),
+    ("The answer is **42**.", "42"),  # before: '42**' (bold stripped before the full stop)
+    ("#### **42**.", "42"),
 ])
 def test_extract_answer(text, want):
   assert extract_answer(text) == want

@@ -74,8 +74,9 @@ def _boxed_contents(text: str) -> list[str]:
 
 def _clean(answer: str) -> str | None:
   """Strips $ signs, surrounding space and markdown bold, a trailing full stop, and thousands commas."""
-  s = answer.replace("\\$", "").replace("$", "").strip().strip("*").strip()
-  s = s.rstrip(".").strip()
+  s = answer.replace("\\$", "").replace("$", "")
+  while (t := s.strip().strip("*").strip().rstrip(".")) != s:  # in any order: "**42**." and "**42.**" alike
+    s = t
   s = _THOUSANDS_COMMA.sub("", s)
   return s or None
 

@@ -81,18 +81,20 @@ class EnvTurns:
   before a batch's episodes start; `take(tag, samples)` for their returns once they ended."""
 
   def __init__(self, pool: EnvPool, tokenizer: Tokenizer, *, chat: bool = True, role: str = "user",
-               error_score: float = 0.0):
+               error_score: float = 0.0, max_prompt_len: int | None = None):
     self.pool, self.tok, self.chat, self.role, self.error_score = pool, tokenizer, chat, role, error_score
+    self.max_prompt_len = max_prompt_len  # a longer reset observation keeps its last tokens (data.overlong's rule)
     self.batches: dict = {}  # tag -> (examples, group size)
     self.episodes: dict = {}  # (tag, request, sample) -> _Episode
     self._backlog: list = []  # pool results that came while waiting for resets
     eos = tokenizer.eos_token_ids
     self.eos_ids = set(eos)
 
-  def prepare(self, examples: list[dict]) -> tuple[list[dict], int]:
+  def prepare(self, examples: list[dict]) -> tuple[list[dict], dict]:
     """Resets an environment per example (in the pool) and renders its observation as the prompt:
-    (examples with `prompt_ids` and `env_obs`, resets that failed). A failed reset keeps the
-    example's own prompt; its episode then fails at its first step (scored, counted)."""
+    (examples with `prompt_ids` and `env_obs`, {"env/reset_errors", "env/reset_truncated"}). A failed reset
+    keeps the example's own prompt; its episode then fails at its first step (scored, counted). An observation
+    over `max_prompt_len` tokens keeps its last ones, as data.overlong="truncate" does (counted)."""
     for j, ex in enumerate(examples):
       self.pool.submit(("reset", j), ex, [])
     got = {}
@@ -102,12 +104,14 @@ class EnvTurns:
           got[key[1]] = payload[0] if kind == "ok" else None
         else:
           self._backlog.append((key, kind, payload))
-    out = []
+    out, truncated = [], 0
     for j, ex in enumerate(examples):
       obs = got[j]
       ids = first_prompt(self.tok, obs, self.chat) if obs is not None else list(ex["prompt_ids"])
+      if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
+        ids, truncated = ids[-self.max_prompt_len :], truncated + 1
       out.append({**ex, "prompt_ids": ids, "env_obs": obs if obs is not None else ex["prompt"]})
-    return out, sum(v is None for v in got.values())
+    return out, {"env/reset_errors": sum(v is None for v in got.values()), "env/reset_truncated": truncated}
 
   def add(self, tag, examples: list[dict], group_size: int) -> None:
     self.batches[tag] = (examples, group_size)
@@ -142,6 +146,8 @@ class EnvTurns:
         ids = (reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with_eos=ep.ended_with_eos)
                if self.chat else self.tok.encode(obs))  # no chat template: the observation as plain text
       except Exception:  # the template refused the conversation: the episode cannot go on
+        ids = []
+      if not ids:  # ... or the reply is no tokens at all (an empty observation as plain text)
         ep.failed, ep.ret = "error", self.error_score
         replies.append((key, None, "env_error"))
         continue

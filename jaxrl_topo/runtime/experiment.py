@@ -244,7 +244,8 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   env = None
   if cfg.env.fn:
     env = EnvTurns(EnvPool(cfg.env.fn, n_workers=cfg.env.n_workers, timeout_s=cfg.env.timeout_s), tokenizer,
-                   chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score)
+                   chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score,
+                   max_prompt_len=cfg.data.max_prompt_len)
   dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))

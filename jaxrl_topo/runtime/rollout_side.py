@@ -72,9 +72,9 @@ def _start_episodes(exp: Experiment, examples: list[dict], tag, group_size: int)
   is registered under `tag` for the engine's turns handler. Without one: nothing changes."""
   if exp.env is None:
     return examples, {}
-  examples, failed = exp.env.prepare(examples)
+  examples, info = exp.env.prepare(examples)
   exp.env.add(tag, examples, group_size)
-  return examples, {"env/reset_errors": failed}
+  return examples, info
 
 
 def prompt_hash(examples: list[dict]) -> int:
