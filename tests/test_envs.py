@@ -176,7 +176,7 @@ def test_episode_tokens_render_as_transformers_renders_the_conversation(tmp_path
            ("<calc>408+0</calc>", False, "<result>408</result>")]
   for text, with_eos, obs in turns:
     ids += ours.encode(text) + ([eos] if with_eos else [])  # what the model sampled
-    ids += reply_ids(ours, msgs, text, obs, role=role, ended_with_eos=with_eos)
+    ids += reply_ids(ours, msgs, text, obs, role=role, ended_with=ours.eos_token if with_eos else "")
     msgs += [{"role": "assistant", "content": text}, {"role": role, "content": obs}]
     want = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids == want, f"{name}: episode ids differ from transformers after {len(msgs)} messages"
@@ -188,8 +188,11 @@ def test_reply_after_eos_starts_with_the_next_role_marker(tmp_path):
   ours, _, _ = _tokenizers(tmp_path, "qwen2")
   msgs = [{"role": "user", "content": "q"}]
   tail = "\n<|im_start|>user\nr<|im_end|>\n<|im_start|>assistant\n"
-  assert reply_text(ours, msgs, "a", "r", ended_with_eos=True) == tail
+  assert reply_text(ours, msgs, "a", "r", ended_with="<|im_end|>") == tail
   assert reply_text(ours, msgs, "a", "r") == "<|im_end|>" + tail
+  # A turn that ended on another special token (a base model's EOS): the template's marker still closes it.
+  # Before, this raised and the episode was scored as an environment error.
+  assert reply_text(ours, msgs, "a", "r", ended_with="<eos>") == "<|im_end|>" + tail
 
 
 def test_warmup_demonstrations_mask_the_environment_tokens(tmp_path):

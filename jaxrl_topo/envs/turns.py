@@ -10,7 +10,8 @@ Rendering a reply: with `messages` the conversation so far and the model's turn 
 template renders messages (with the generation prompt: what the model continued) and messages +
 [assistant X, role obs] (with the generation prompt); the second must extend the first with X
 (whitespace a template trims aside), and the reply is its text after X. A turn that ended with the
-EOS token already holds the template's end-of-turn marker, so that marker is dropped from the reply.
+template's end-of-turn marker (sampled as an EOS or stop token) already holds it, so it is dropped from the reply;
+a turn that ended on another special token (a base model's EOS) keeps it, and the template's marker follows.
 So prompt + every turn + every reply renders, as text, to apply_chat_template of the whole
 conversation (tests/test_envs.py checks ChatML/Qwen2, Qwen3 and Llama-3 style templates against
 transformers), as long as the template renders earlier turns as it rendered them when they were
@@ -34,8 +35,9 @@ from jaxrl_topo.models.tokenizer import Tokenizer
 
 
 def reply_text(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, obs: str, *, role: str = "user",
-               ended_with_eos: bool = False) -> str:
-  """The text to append after a model turn `model_text` for the observation `obs` (module docstring)."""
+               ended_with: str = "") -> str:
+  """The text to append after a model turn `model_text` for the observation `obs` (module docstring).
+  `ended_with`: the special token the turn's last sampled token is (its text; "" for none), e.g. the EOS."""
   seen = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)  # what the model continued
   full = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": model_text},
                                         {"role": role, "content": obs}], add_generation_prompt=True)
@@ -46,11 +48,10 @@ def reply_text(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, 
                      "its replies cannot be appended as tokens")
   at += len(core)
   text = full[at:]
-  eos = tokenizer.eos_token
-  if ended_with_eos and eos:
-    if not text.lstrip(" \t").startswith(eos):
-      raise ValueError(f"the chat template does not end an assistant turn with EOS {eos!r}")
-    text = text.lstrip(" \t")[len(eos):]
+  if ended_with and text.lstrip(" \t").startswith(ended_with):  # the model already wrote the end-of-turn marker
+    text = text.lstrip(" \t")[len(ended_with):]
+  # Else the turn ended on a special token the template does not close turns with (another EOS id, a base
+  # model's EOS, a one-token stop): the template's own marker follows it, so the turn is closed as it renders.
   return text
 
 
@@ -73,7 +74,7 @@ class _Episode:
   ret: float = 0.0
   info: dict = dataclasses.field(default_factory=dict)
   failed: str = ""  # "error" | "timeout" once the environment failed
-  ended_with_eos: bool = False  # the last model turn ended with the EOS token
+  ended_with: str = ""  # the special token (its text) that ended the last model turn, e.g. an EOS; "" for none
 
 
 class EnvTurns:
@@ -87,8 +88,6 @@ class EnvTurns:
     self.batches: dict = {}  # tag -> (examples, group size)
     self.episodes: dict = {}  # (tag, request, sample) -> _Episode
     self._backlog: list = []  # pool results that came while waiting for resets
-    eos = tokenizer.eos_token_ids
-    self.eos_ids = set(eos)
 
   def prepare(self, examples: list[dict]) -> tuple[list[dict], dict]:
     """Resets an environment per example (in the pool) and renders its observation as the prompt:
@@ -123,7 +122,8 @@ class EnvTurns:
       ex = self.batches[tag][0][r]
       ep = self.episodes[key] = _Episode(ex, [{"role": "user", "content": ex["env_obs"]}])
     ep.texts.append(self.tok.decode(sample.tokens[turn_start:]))
-    ep.ended_with_eos = bool(sample.tokens) and sample.tokens[-1] in self.eos_ids
+    last = sample.tokens[-1:]  # a special token decodes to "" when specials are skipped
+    ep.ended_with = self.tok.decode(last, skip_special_tokens=False) if last and not self.tok.decode(last) else ""
     self.pool.submit(key, ep.example, ep.texts)
 
   def poll(self, block: bool) -> list:
@@ -143,7 +143,7 @@ class EnvTurns:
         continue
       text = ep.texts[-1]
       try:
-        ids = (reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with_eos=ep.ended_with_eos)
+        ids = (reply_ids(self.tok, ep.messages, text, obs, role=self.role, ended_with=ep.ended_with)
                if self.chat else self.tok.encode(obs))  # no chat template: the observation as plain text
       except Exception:  # the template refused the conversation: the episode cannot go on
         ids = []
