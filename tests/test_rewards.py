@@ -28,6 +28,8 @@ M = "reward_fns_for_tests:"  # tests/reward_fns_for_tests.py, importable in the 
     ("", None),
     ("The answer is **42**.", "42"),  # before: '42**' (bold stripped before the full stop)
     ("#### **42**.", "42"),
+    (r"so 2 / 2 = \boxed{1", None),  # cut off inside the box: before, the last number (1) scored
+    (r"\boxed{\frac{1}{2", None),
 ])
 def test_extract_answer(text, want):
   assert extract_answer(text) == want

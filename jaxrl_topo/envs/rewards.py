@@ -87,10 +87,13 @@ def extract_answer(text: str) -> str | None:
   In order of preference: the content of the last complete \\boxed{...} (nested braces are fine);
   else the rest of the line after the last "####"; else what follows the last "answer is" or
   "Answer:"; else the last number in the text. Examples: "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}",
-  "#### $1,234." -> "1234", "The answer is 42." -> "42", "3 + 4 = 7" -> "7", "no idea" -> None.
+  "#### $1,234." -> "1234", "The answer is 42." -> "42", "3 + 4 = 7" -> "7", "no idea" -> None, and a box
+  never closed (cut off at the length limit) -> None: "so 2 / 2 = \\boxed{1" -> None.
   """
   if boxed := _boxed_contents(text):
     return _clean(boxed[-1])
+  if _BOXED.search(text):  # a box opened and never closed: the answer was cut off (a number before it is no answer)
+    return None
   if (hashes := _HASHES.findall(text)) and (answer := _clean(hashes[-1])):
     return answer
   if (phrases := _ANSWER_PHRASE.findall(text)) and (answer := _clean(phrases[-1])):
