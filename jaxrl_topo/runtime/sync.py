@@ -3,7 +3,9 @@
   full   every leaf of the policy, cast to the rollout dtype, bucket by bucket
   delta  only the buckets whose cast values changed bitwise since the last sync (sync/changed_frac per sync)
   lora   only the LoRA adapters (fp32, replicated on the rollout mesh); the rollout side keeps its own copy
-         of the frozen base and merges W + (alpha/r) A B there (transfer.merge_on_destination)
+         of the frozen base and merges W + (alpha/r) A B there (transfer.merge_on_destination). The base copy
+         is in the rollout dtype: into bf16, W is rounded before the merge and the sum again after, so a
+         merged weight can differ from a full sync's bf16(W + (alpha/r) A B) by one rounding (fp32: equal)
 
 The engine's current weights are handed to the plan as the old destination, so each bucket's stale arrays
 are deleted just before the new bucket lands: a sync needs about one bucket of extra rollout memory, not a
