@@ -315,3 +315,35 @@ def test_a_rollout_beside_another_jobs_tail_runs_on_the_shards_the_tail_left_fre
   assert all(s["devices"] == [4, 5, 6, 7] for s in rollouts if not s.get("on_rest"))
   for job in group.jobs.values():
     assert all(np.isfinite(m["loss"]) and m["perf/tokens"] > 0 for m in job.metrics)
+
+
+def test_a_job_builds_under_its_precision_and_refuses_an_off_policy_checkpoint(tmp_path, monkeypatch):
+  """Found by a helper's review. (1) The group built each job (its supervised warm-up, its tail engine's
+  compiles) at the default matmul precision; only the job's loop ran under its model.matmul_precision, as a
+  solo run.train runs everything. (2) A job folder whose checkpoint holds batches generated but not trained (a
+  solo run with max_staleness > 0) resumed and skipped those batches' prompts: now refused, naming the job."""
+  import jax.numpy as jnp
+
+  from jaxrl_topo.runtime.checkpoint import Checkpointer
+
+  seen = []
+  real = experiment.build
+
+  def build(cfg, workdir, **kw):
+    seen.append(jax.config.jax_default_matmul_precision)
+    return real(cfg, workdir, **kw)
+
+  monkeypatch.setattr(experiment, "build", build)
+  ckpt = Checkpointer(str(tmp_path / "a" / "checkpoints"))
+  ckpt.save(1, {"x": jnp.zeros(1)}, meta={"step": 1, "data_state": {}, "in_flight": [{"step": 1}]})
+  ckpt.close()
+  cfg = job_cfg("a", **{"model.matmul_precision": "highest", "run.sft_steps": 2, "run.steps": 2})
+  group = Group([JobSpec("a", cfg, str(tmp_path / "a")), JobSpec("b", cfg, str(tmp_path / "b"))], MuxConfig(),
+                str(tmp_path), checkpoints=True)
+  try:
+    group.build()
+  finally:
+    group._close()
+  assert "job a: checkpoint 1 in" in group.jobs["a"].error and "1 batches generated but not trained" in \
+      group.jobs["a"].error  # refused before its build
+  assert seen == ["highest"] and group.jobs["b"].error is None  # job b built, under its precision

@@ -173,7 +173,8 @@ class Group:
       self.admit()
     for jid, job in self.jobs.items():
       try:
-        resume.build_job(job, self.checkpoints)
+        with _precision(job.spec.cfg):  # the warm-up and every program built now, as the job's loop runs them
+          resume.build_job(job, self.checkpoints)
       except Exception:  # noqa: BLE001  (isolation: reported with the job id)
         self._fail(jid, traceback.format_exc())
     try:
@@ -186,7 +187,8 @@ class Group:
     """The built jobs (on the pools `admit` checked) get their tail (and free-shard) engines warmed; state parked."""
     for job in built:
       job.tail = TailMigration(job.exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
-      job.tail.warm()  # its tail engine's programs compile now, not in its first migration
+      with _precision(job.spec.cfg):
+        job.tail.warm()  # its tail engine's programs compile now, not in its first migration
     self._build_rest(built)
     for job in built:
       exp = job.exp
@@ -205,9 +207,10 @@ class Group:
     for job in built if shards is not None else ():
       if not job.spec.cfg.run.deterministic:
         job.rest = migrate.sub_engine(job.exp.engine, shards)
-        migrate.compile_engine(job.rest, job.exp.engine)
-        if job.tail.tail is not None:
-          migrate.compile_move(job.rest, job.tail.tail)
+        with _precision(job.spec.cfg):
+          migrate.compile_engine(job.rest, job.exp.engine)
+          if job.tail.tail is not None:
+            migrate.compile_move(job.rest, job.tail.tail)
 
   def _on_rest(self, job: _Job) -> bool:
     """Whether the job's rollout starting now takes the free shards: another job's stragglers decode on its
@@ -327,9 +330,7 @@ class Group:
   def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
     jid, cfg = job.spec.job_id, job.spec.cfg
     try:
-      ctx = (contextlib.nullcontext() if cfg.model.matmul_precision == "default"
-             else jax.default_matmul_precision(cfg.model.matmul_precision))
-      with ctx:
+      with _precision(cfg):
         loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks))
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
       self._fail(jid, traceback.format_exc())
@@ -394,3 +395,10 @@ class Group:
     os.makedirs(self.workdir, exist_ok=True)
     with open(os.path.join(self.workdir, MUX_SPANS), "w") as f:
       f.writelines(json.dumps(s) + "\n" for s in sorted(self.spans, key=lambda s: s["start"]))
+
+
+def _precision(cfg):
+  """The job's model.matmul_precision for what runs inside (a solo run.train wraps its whole run the same way)."""
+  if cfg.model.matmul_precision == "default":
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(cfg.model.matmul_precision)

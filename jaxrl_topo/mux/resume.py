@@ -23,6 +23,11 @@ def build_job(job, checkpoints: bool) -> None:
   job.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints) if checkpoints else None
   try:
     latest = job.ckpt.latest_step() if job.ckpt is not None else None
+    in_flight = job.ckpt.meta(latest).get("in_flight") if latest is not None else None
+    if in_flight:  # a solo off-policy run's: a group job (eta = 0) would skip those batches' prompts
+      raise ValueError(f"job {job.spec.job_id}: checkpoint {latest} in {workdir} holds {len(in_flight)} batches "
+                       "generated but not trained (an off-policy run's, max_staleness > 0); a group job is on-policy "
+                       "and cannot train them: resume it alone (launchers/train.py) or give the job another folder")
     job.exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
   except BaseException:  # its Checkpointer closed now: an open one's background thread fails at interpreter exit
     close_checkpointer(job)

@@ -152,6 +152,11 @@ class Checkpointer:
     steps = self.all_steps()
     return max(steps) if steps else None
 
+  def meta(self, step: int) -> dict:
+    """Checkpoint `step`'s meta alone (no array is read): what a caller checks before building a state for it."""
+    self.wait()
+    return dict(self._mngr.restore(int(step), args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META])
+
   def restore(self, step: int | None, abstract_state) -> tuple[Any, dict]:
     """(state, meta) of checkpoint `step` (None: the newest complete one). `abstract_state` is a pytree of
     jax.ShapeDtypeStruct with shardings; each array is read directly into that sharding. Raises
