@@ -52,7 +52,8 @@ def _recorded(exp) -> tuple[collections.Counter, list[dict]]:
   _LOG.seen.clear()
   _LOG.recording = True
   try:
-    loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: records.append(m)))
+    loop.train_loop(exp, hooks=loop.LoopHooks(on_step=lambda step, m: records.append(m),
+                                              should_eval=lambda done: done == 2))  # after step 1
   finally:
     _LOG.recording = False
   return collections.Counter(_LOG.seen), records
@@ -84,4 +85,7 @@ def test_a_replayed_run_traces_and_lowers_nothing(tmp_path, mode):
   for a, b in zip(first, again, strict=True):
     assert (a["perf/tokens"], a["reward_mean"], a["loss"]) == (b["perf/tokens"], b["reward_mean"], b["loss"])
   assert not compiled, f"the replay rebuilt programs: {dict(compiled)}"
+  # The evaluation after step 1 says which weights it read: version 2, or a later one that landed first (async).
+  assert first[1]["eval/version"] == 2 if mode == "colocated" else first[1]["eval/version"] >= 2
+  assert "eval/version" not in first[0] and "eval/accuracy" in first[1]
   assert np.isfinite(first[-1]["loss"])

@@ -234,6 +234,8 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
         if feed is not None:
           feed.drain()  # the evaluation needs every slot: the batches added so far finish first
         t = time.perf_counter()
+        # The weights evaluated: step + 1's, or (async, eta > 0) a later version that landed meanwhile
+        m["eval/version"] = exp.engine.gen_id
         m.update(evaluate_metrics(exp, tag=step + 1))  # eval/accuracy (+ eval/env/... with an environment)
         chunks.reset()  # the evaluation's tokens are no rollout's
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
