@@ -347,3 +347,28 @@ def test_a_job_builds_under_its_precision_and_refuses_an_off_policy_checkpoint(t
   assert "job a: checkpoint 1 in" in group.jobs["a"].error and "1 batches generated but not trained" in \
       group.jobs["a"].error  # refused before its build
   assert seen == ["highest"] and group.jobs["b"].error is None  # job b built, under its precision
+
+
+def test_the_turn_passes_when_the_batch_is_nearly_done_not_when_few_slots_are_live(tmp_path, monkeypatch):
+  """Found by a helper's review: migrate_at compared the live slots with (1 - migrate_at) x the batch, so with 64
+  sequences on 16 slots the next job's turn came at 5 of 64 finished, 48 still queued. Now it counts every
+  sequence not finished (live, queued or waiting on a pinned prompt): each pass comes at >= 0.8 x 64 done."""
+  from jaxrl_topo.mux import migrate
+
+  passed = []
+  real = migrate.TailMigration.on_chunk
+
+  def on_chunk(self, engine):
+    armed = self.armed
+    real(self, engine)
+    if armed and not self.armed and engine._stream is not None:
+      passed.append((self.job, self.batch - sum(engine._stream.loop.left), self.batch))
+
+  monkeypatch.setattr(migrate.TailMigration, "on_chunk", on_chunk)
+  over = {"data.batch_size": 16, "rl.group_size": 4, "rollout.n_slots": 16, "rollout.max_new_tokens": 12,
+          "run.steps": 1, "run.sft_steps": 2}
+  group = Group([JobSpec(j, job_cfg(j, **over), str(tmp_path / j)) for j in "ac"], MuxConfig(migrate_at=0.8),
+                str(tmp_path))
+  out = group.run()
+  assert all(r["ok"] for r in out.values()), out
+  assert {j for j, _, _ in passed} == {"a", "c"} and all(done >= 0.8 * n for _, done, n in passed), passed

@@ -59,6 +59,15 @@ def live_slots(engine) -> int:
   return sum(engine.pool.seq_id(s) is not None for s in range(engine.ecfg.n_slots))
 
 
+def unfinished(engine) -> int:
+  """Sequences of the engine's open stream not finished yet: live, queued for a slot or waiting on a pinned
+  prompt (live slots alone would pass a batch far larger than the slots as nearly done)."""
+  stream = engine._stream
+  if stream is None:
+    return live_slots(engine)
+  return sum(stream.loop.left)
+
+
 def tail_shards(batch: int, migrate_at: float, slots_per_shard: int, data: int) -> int:
   """Data shards of the tail engine: enough of the rollout mesh's shards (each with the same rows as the full
   engine's shards) for the most stragglers a migration moves; `data` means no shard is freed (no move)."""
@@ -282,8 +291,7 @@ class TailMigration:
     if engine is self.tail:
       return
     if self.armed:
-      live = live_slots(engine)
-      if live >= engine.ecfg.n_slots or live > (1.0 - self.migrate_at) * self.batch:
+      if live_slots(engine) >= engine.ecfg.n_slots or unfinished(engine) > (1.0 - self.migrate_at) * self.batch:
         return
       self.armed, self.migrated_at, self.moving, self.passing = False, time.perf_counter(), self.movable, True
     if self.moving:  # until the stragglers fit the tail's shards (or they end)
