@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -372,3 +373,31 @@ def test_the_turn_passes_when_the_batch_is_nearly_done_not_when_few_slots_are_li
   out = group.run()
   assert all(r["ok"] for r in out.values()), out
   assert {j for j, _, _ in passed} == {"a", "c"} and all(done >= 0.8 * n for _, done, n in passed), passed
+
+
+def test_a_job_failing_on_its_tail_frees_the_tails_shards(tmp_path):
+  """Found by a helper's review: job a raised while its stragglers decoded on its tail engine; the tail stayed
+  'running' with its KV pool held, so every later rollout of job b went to the free shards (half the slots).
+  Now the failed job's tail is released and b's later rollouts take the whole pool."""
+  from jaxrl_topo.mux import migrate
+
+  own = {"run.deterministic": False, "rollout.impl": "fast", "run.sft_steps": 4, "run.eval_every": 0}
+  group = Group([JobSpec("a", job_cfg("a", **own, **{"run.steps": 3}), str(tmp_path / "a")),
+                 JobSpec("c", job_cfg("a", **own, **{"run.steps": 4, "run.seed": 3}), str(tmp_path / "c"))],
+                MuxConfig(migrate_at=0.5, resize=True), str(tmp_path))
+  group.build()
+  failed = {}
+
+  def hooks_for(jid, exp):
+    def on_chunk(engine):
+      if jid == "a" and engine is group.jobs["a"].tail.tail:
+        failed["at"] = time.perf_counter() - group._t0
+        raise RuntimeError("job a breaks while its tail decodes")
+    return loop.LoopHooks(on_chunk=on_chunk)
+
+  out = group.run(hooks_for)
+  assert not out["a"]["ok"] and out["c"]["ok"] and "at" in failed
+  tail = group.jobs["a"].tail
+  assert not tail.running and migrate.kv_bytes(tail.tail) == 0
+  later = [s for s in group.spans if s["job"] == "c" and s["pool"] == "rollout" and s["start"] > failed["at"]]
+  assert later and not any(s.get("on_rest") for s in later), later

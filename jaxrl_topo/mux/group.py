@@ -335,6 +335,9 @@ class Group:
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
       self._fail(jid, traceback.format_exc())
     finally:
+      if job.tail is not None:  # a job failing while its stragglers decode on its tail: the tail's shards go free
+        migrate.restore(job.tail.tail, job.exp.engine)
+        job.tail.moved_at = None
       self.rollout_pool.retire(jid)
       self.train_pool.retire(jid)
 
