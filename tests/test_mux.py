@@ -401,3 +401,13 @@ def test_a_job_failing_on_its_tail_frees_the_tails_shards(tmp_path):
   assert not tail.running and migrate.kv_bytes(tail.tail) == 0
   later = [s for s in group.spans if s["job"] == "c" and s["pool"] == "rollout" and s["start"] > failed["at"]]
   assert later and not any(s.get("on_rest") for s in later), later
+
+
+def test_jobs_sharing_a_workdir_are_refused(tmp_path):
+  """Found by a helper's review: ids were checked distinct, workdirs not; two jobs of one folder would share
+  checkpoints, metrics.jsonl and identity.json (the launcher names folders <i>-<name>, the API did not check)."""
+  cfg = job_cfg("a")
+  with pytest.raises(ValueError, match=r"mux: jobs \['a', 'b'\] share the workdir .*/w: give each job its own"):
+    Group([JobSpec("a", cfg, str(tmp_path / "w")), JobSpec("b", cfg, str(tmp_path / "w" / "."))], MuxConfig(),
+          str(tmp_path))
+  Group([JobSpec("a", cfg, str(tmp_path / "a")), JobSpec("b", cfg, str(tmp_path / "b"))], MuxConfig(), str(tmp_path))

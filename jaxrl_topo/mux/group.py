@@ -129,6 +129,11 @@ class Group:
     ids = [s.job_id for s in specs]
     if len(set(ids)) != len(ids) or not ids:
       raise ValueError(f"mux: job ids must be distinct and non-empty, got {ids}")
+    dirs = [os.path.realpath(s.workdir) for s in specs]
+    shared = sorted({d for d in dirs if dirs.count(d) > 1})
+    if shared:  # they would share checkpoints, metrics files and the identity record
+      raise ValueError(f"mux: jobs {[s.job_id for s, d in zip(specs, dirs, strict=True) if d in shared]} share "
+                       f"the workdir {shared[0]}: give each job its own")
     self.mux, self.workdir, self.checkpoints = mux, workdir, checkpoints
     self.jobs = {s.job_id: _Job(dataclasses.replace(s, cfg=on_policy(s.cfg))) for s in specs}
     self.rollout_pool = RoundRobin("rollout", ids)
