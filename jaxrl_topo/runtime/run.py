@@ -236,8 +236,7 @@ def _resume_hint(cfg: RunConfig, workdir: str) -> str:
     old = config_dict(load_config(workdir))
   except (OSError, ValueError, TypeError):
     return f"{workdir}'s checkpoints were saved by another configuration; start over with --fresh (run.fresh=True)"
-  a, b = _flat(old), _flat(config_dict(cfg))
-  diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  diff = workdir_lib.identity_diff(_flat(old), _flat(config_dict(cfg)))  # 'key: old -> new', as a workdir check says
   return (f"{workdir}'s checkpoints were saved under its config.json (kept as it was); this launch changes "
           f"{'; '.join(diff[:8]) or 'nothing recorded'}{' ...' if len(diff) > 8 else ''}. Relaunch with that "
           f"config, or start over with --fresh (run.fresh=True)")
