@@ -65,7 +65,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> Pa
 
 
 # Logical axes replicated, not refused, where their size does not divide over their mesh axes: a GQA model's few
-# KV heads under a wider `tensor` axis (Qwen2.5-0.5B's 2 at tensor=4). Each tensor shard then computes every KV
+# KV heads under a wider `tensor` axis (2 KV heads at tensor=4). Each tensor shard then computes every KV
 # head (a small projection) and its query heads read theirs; other axes must divide.
 REPLICATE_IF_UNEVEN = frozenset({"kv_heads"})
 
