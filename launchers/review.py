@@ -28,7 +28,8 @@ _DECODE = flags.DEFINE_float("decode_tokens_per_s", 2000.0, "Assumed decode toke
 _PER_SEQ = flags.DEFINE_float("per_seq_tokens_per_s", 50.0, "Assumed decode tokens/s of one sequence.")
 _LINK = flags.DEFINE_float("link_gbps", 100.0, "Trainer -> rollout link bandwidth, Gbit/s.")
 _N_DEVICES = flags.DEFINE_integer("n_devices", None, "Devices to split (default: what the topology uses).")
-_DEVICE_GB = flags.DEFINE_float("device_memory_gb", 80.0, "One device's memory, GB, for the fit check.")
+_DEVICE_GB = flags.DEFINE_float("device_memory_gb", 80.0,
+                                 "One device's memory in GiB (an H100 80GB holds 80), for the fit check.")
 for _flag in (_TRAIN_S, _DECODE, _PER_SEQ, _LINK, _DEVICE_GB, _N_DEVICES):  # checked as the flags are parsed
   flags.register_validator(_flag, lambda v: v is None or v > 0, message="must be > 0")
 

@@ -141,6 +141,12 @@ def test_staleness_beyond_eta_raises_naming_the_step():
     audit.check_staleness(colocated)
   from_metrics = audit.staleness_audit(_cfg("disaggregated", eta=1), [], metrics=[{"step": 7, "staleness/max": 3}])
   assert from_metrics.violations == [(7, 3)]
+  # A token from the future is a violation even when the same step also holds valid lags (only the step's
+  # largest lag was checked before).
+  future = audit.staleness_audit(_cfg("async", eta=1), [_hist(3, {-1: 4, 1: 6})])
+  assert future.violations == [(3, -1)]
+  with pytest.raises(audit.StalenessViolation, match="step 3 trained on tokens -1"):
+    audit.check_staleness(future)
 
 
 def test_enforcement_text_per_mode():

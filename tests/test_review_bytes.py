@@ -78,6 +78,10 @@ def _plan(topo_cfg: TopologyConfig, dst_dtype: str) -> TransferPlan:
     ("colocated", (("data", 2), ("tensor", 2)), (("data", 2), ("tensor", 2)), "float32", 0, 0, 82_304),
     # A dtype change never aliases.
     ("colocated", (("data", 2), ("tensor", 2)), (("data", 2), ("tensor", 2)), "bfloat16", 164_608, 82_688, 0),
+    # tensor=4 over the tiny model's 2 KV heads replicates k_proj and v_proj on the trainer (REPLICATE_IF_UNEVEN),
+    # as data=4 does on the rollout side, so they alias, with the norms the trainer does not split either:
+    # 2 layers x 2 x 64x2x16 = 8,192 + q/k norms 64 + layer norms 2 x 2 x 64 + final 64 = 8,576; 73,728 move.
+    ("colocated", (("tensor", 4),), (("data", 4),), "float32", 4 * 73_728, 4 * 73_728, 8_576),
 ])
 def test_tiny_sync_matches_transfer_plan(mode, trainer, rollout, dtype, total, per_device, aliased):
   topo_cfg = TopologyConfig(mode=mode, trainer_axes=trainer, rollout_axes=rollout)
@@ -88,6 +92,16 @@ def test_tiny_sync_matches_transfer_plan(mode, trainer, rollout, dtype, total, p
   assert set(plan.bytes_per_device.values()) <= {got["per_rollout_device"]}
   assert len(plan.bytes_per_device) == (topo_cfg.rollout_size if total else 0)
   assert sum(leaf.src.size for leaf in plan.leaves if leaf.route == "alias") == aliased
+
+
+def test_sync_prediction_refuses_a_mesh_the_plan_refuses():
+  # 4 query heads do not split 8 ways: TransferPlan raises, so must the prediction (it returned zeros here when
+  # every leaf's layouts matched, and never looked at the trainer's).
+  eight = (("tensor", 8),)
+  with pytest.raises(ValueError, match="does not divide"):
+    rb.sync_plan_bytes(TINY, TopologyConfig(mode="colocated", trainer_axes=eight, rollout_axes=eight))
+  with pytest.raises(ValueError, match="does not divide"):
+    rb.sync_plan_bytes(TINY, TopologyConfig(mode="disaggregated", trainer_axes=eight, rollout_axes=(("data", 8),)))
 
 
 def test_tiny_lora_sync_matches_transfer_plan():
@@ -125,7 +139,7 @@ def test_rollout_payload_by_hand():
       "token_ids": 8 * 16 * 4,  # 512
       "sampler_logp": 8 * 6 * 4,  # 192
       "loss_mask": 8 * 6 * 4,  # 192
-      "gen_ids": 8 * 6 * 4,  # 192
+      "onpolicy_mask": 8 * 6 * 4,  # 192
       "rewards": 8 * 4,  # 32
       "row_layout": (2 * 8 * 16 + 2 * 8 * 6) * 4,  # positions + segment ids, targets + gather index: 1,408
       "total": 2_528,
@@ -188,6 +202,11 @@ def test_step_bytes_from_shipped_configs():
   assert sb.reference_collectives == 246_720 and sb.policy_collectives["reduce_scatter"] == 0
   d = json.loads(json.dumps(sb.to_dict()))
   assert d["per_hour"]["sync"] == 3600 * 164_608
+  # The step's sync figure follows sync.mode: LoRA runs send the adapters, delta runs the changed share.
+  for mode, want in (("lora", 4 * 8_192), ("delta", 82_304)):
+    c["sync"] = {"mode": mode}
+    assert sb_lib.step_bytes(from_config_dict(c), changed_frac=0.5).totals()["sync"] == want
+  del c["sync"]
   assert d["totals"]["collectives_per_rank"] == sb.policy_collectives["total"] + 246_720
   ppo = sb_lib.step_bytes(from_config_dict(_config("ppo_critic")))
   assert set(ppo.critic_collectives) == {"backbone", "old_values_forward", "value_head", "total"}

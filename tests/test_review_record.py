@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 
 import pytest
 from test_rl_loop import _cfg
 
 from jaxrl_topo.review import simulator
 from jaxrl_topo.review import step_bytes as step_lib
-from jaxrl_topo.review.record import Assumptions, sim_params, write_record
+from jaxrl_topo.review.record import Assumptions, memory_fit, sim_params, write_record
 
 
 def test_record_from_the_config_alone(tmp_path):
@@ -23,7 +25,9 @@ def test_record_from_the_config_alone(tmp_path):
   want = step_lib.step_bytes(cfg)
   assert saved["bytes"]["sync_full"] == want.sync_full and saved["bytes"]["payload"] == want.payload
   params = sim_params(cfg, a, want.sync_full)
-  assert params.n_devices == 8 and params.rollout_devices == 4 and params.batch_seqs == 16
+  assert params.n_devices == 8 and params.rollout_devices == 4 and params.batch_seqs == 16 and params.eta == 1
+  sequential = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, max_staleness=0))
+  assert sim_params(sequential, a, want.sync_full).eta == 0  # was simulated one step off
   assert fig["steps_per_hour"]["disaggregated"] == pytest.approx(
       simulator.simulate("disaggregated", params, n_steps=24).steps_per_hour(warmup=6))
   page = (tmp_path / "record.md").read_text()
@@ -44,6 +48,10 @@ def test_record_warns_when_the_state_cannot_fit_a_device(tmp_path):
   assert mem["trainer_state_per_device"] == 4 * fig["bytes"]["trainer_param_bytes_per_device"]
   assert mem["largest_per_device"] == mem["trainer_state_per_device"] + fig["bytes"]["rollout_param_bytes_per_device"]
   assert not mem["fits"] and "WARNING: does not fit" in (tmp_path / "record.md").read_text()
+  # Device memory is in GiB, as accelerators are sold: 82e9 bytes (76.4 GiB) fit an "80GB" H100.
+  step = types.SimpleNamespace(trainer_param_bytes_per_device=20_500_000_000, sync_lora=None,
+                               rollout_param_bytes_per_device=0)
+  assert memory_fit(step, "disaggregated", 80.0)["fits"] and not memory_fit(step, "disaggregated", 76.0)["fits"]
   tiny = write_record(_cfg("disaggregated", steps=4), str(tmp_path / "tiny"))
   assert tiny["memory"]["fits"] and "WARNING" not in (tmp_path / "tiny" / "record.md").read_text()
 
@@ -67,3 +75,35 @@ def test_record_of_a_measured_run_is_consistent(tmp_path):
   assert {"rollout", "train", "sync"} <= phases
   assert "measured timeline" in (tmp_path / "record" / "record.md").read_text().lower()
   assert fig["simulator_source"].startswith("calibrated")
+
+
+def _synthetic_run(workdir, spans_of_step, n_steps=8):
+  """A run directory with spans, metrics and a staleness histogram (lag 1) of n_steps identical steps."""
+  workdir.mkdir()
+  spans = [dict(s, role="rollout" if s["phase"] == "rollout" else "trainer", step=k, gen_id=max(k - 1, 0),
+                start=10.0 * k + s["start"], end=10.0 * k + s["end"]) for k in range(n_steps) for s in spans_of_step]
+  rows = {"spans.jsonl": spans, "metrics.jsonl": [{"step": k, "perf/tokens": 1000.0} for k in range(n_steps)],
+          "histograms.jsonl": [{"step": k, "name": "staleness", "counts": {"1": 10}} for k in range(n_steps)]}
+  for name, rs in rows.items():
+    (workdir / name).write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+
+def test_record_compares_train_without_the_logprob_pre_pass(tmp_path):
+  """A run with a log-prob pre-pass (1 s) before each train step (2 s). The simulator's train phase holds both,
+  but the run's train spans hold only the step. Before, the record compared 3 s against 2 s and flagged it."""
+  from test_rl_loop import load_config
+
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  c = load_config("grpo_task", "tiny")
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 4})
+  c.rollout.continuous = False
+  R, T = [0, 1, 2, 3], [4, 5, 6, 7]
+  _synthetic_run(tmp_path / "run", [dict(phase="rollout", devices=R, start=0, end=4),
+                                    dict(phase="logprobs", devices=T, start=4, end=5),
+                                    dict(phase="train", devices=T, start=5, end=7),
+                                    dict(phase="sync", devices=T, start=7, end=7.5)])
+  fig = write_record(from_config_dict(c), str(tmp_path / "record"), workdir=str(tmp_path / "run"))
+  assert fig["sim_params"]["train_s"] == pytest.approx(3.0)
+  train = next(cmp for cmp in fig["overlap"]["comparisons"] if cmp["phase"] == "train")
+  assert train["predicted_s"] == pytest.approx(2.0) and not train["flagged"]

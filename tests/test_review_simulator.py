@@ -81,6 +81,9 @@ def test_async_eta0_is_the_sequential_loop():
   assert _step_s("async", _const(eta=0)) == pytest.approx(17.0)
   assert _step_s("async", _const(eta=0, reward_s=0.5)) == pytest.approx(17.5)
   assert S.simulate("async", _long_tail(eta=0), 12).max_staleness() == 0
+  # Disaggregated at run.max_staleness = 0 is sequential too (it was simulated one step off: 10 s a step).
+  assert _step_s("disaggregated", _const(eta=0)) == pytest.approx(17.0)
+  assert S.simulate("disaggregated", _const(eta=0), 12).max_staleness() == 0
 
 
 def test_long_tail_bounds_disaggregated_and_async_absorbs_it():

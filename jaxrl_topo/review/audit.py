@@ -87,11 +87,15 @@ class StalenessReport:
   lag_histogram: dict[int, int]  # lag (versions) -> token count, summed over the observed steps
   step_max_lag: dict[int, int]  # step -> its largest observed lag
   max_observed_lag: int | None  # None: nothing observed
+  step_min_lag: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> its smallest (histograms only)
 
   @property
   def violations(self) -> list[tuple[int, int]]:
-    """(step, lag) for every step whose largest lag exceeds eta (or is negative: a token from the future)."""
-    return [(s, lag) for s, lag in sorted(self.step_max_lag.items()) if lag > self.eta or lag < 0]
+    """(step, lag) for every step with a lag outside [0, eta]: its largest if above eta, else its smallest if
+    negative (a token from the future)."""
+    out = {s: lag for s, lag in self.step_max_lag.items() if lag > self.eta or lag < 0}
+    out.update({s: lag for s, lag in self.step_min_lag.items() if lag < 0 and s not in out})
+    return sorted(out.items())
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -193,6 +197,7 @@ def staleness_audit(cfg: RunConfig, histograms: list[dict] | None = None, *,
     for lag, n in counts.items():
       hist[lag] = hist.get(lag, 0) + n
   step_max = {s: max(lag for lag, n in c.items() if n > 0) for s, c in per_step.items() if any(c.values())}
+  step_min = {s: min(lag for lag, n in c.items() if n > 0) for s, c in per_step.items() if any(c.values())}
   for rec in metrics or ():
     if rec.get("staleness/max") is not None:
       s = int(rec["step"])
@@ -203,7 +208,7 @@ def staleness_audit(cfg: RunConfig, histograms: list[dict] | None = None, *,
                          in_flight=in_flight_text(mode, policy, cfg.rollout.continuous), update_policy=policy,
                          correction=correction,
                          corrected=corrected, warnings=tuple(warnings), lag_histogram=dict(sorted(hist.items())),
-                         step_max_lag=dict(sorted(step_max.items())),
+                         step_max_lag=dict(sorted(step_max.items())), step_min_lag=dict(sorted(step_min.items())),
                          max_observed_lag=max(step_max.values()) if step_max else None)
 
 

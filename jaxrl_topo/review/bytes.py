@@ -14,7 +14,7 @@ Bytes are exact integers; 1 GB = 1e9 bytes. What moves in one step, and the mode
                    bytes of its shards in the ROLLOUT_RULES layout; a colocated leaf whose dtype and device layout
                    are unchanged is aliased (zero-copy) and costs 0.
   rollout payload  rollout -> host -> trainer: the trainer batch (one sequence per row, padded to P + C tokens, as
-                   the loop lays it out), plus per-token gen_ids and per-sequence rewards. An upper bound: every
+                   the loop lays it out), with its on-policy token mask and per-sequence rewards. An upper bound: every
                    prompt and completion at its length limit.
   collectives      per trainer rank per step, ring algorithms (a rank sends what it receives):
                      all-gather of a W-byte tensor over N ranks    (N-1)/N x W    (each rank lacks N-1 shards)
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.topology.carve import TopologyConfig
-from jaxrl_topo.topology.rules import REPLICATE_IF_UNEVEN, ROLLOUT_RULES, TRAIN_RULES, Rules, logical_to_spec
+from jaxrl_topo.topology.rules import ROLLOUT_RULES, TRAIN_RULES, Rules, fit_spec, logical_to_spec
 from jaxrl_topo.train.config import CRITICS, LoraConfig
 from jaxrl_topo.train.lora import _n_in_dims  # one source of truth for how adapters split a kernel
 
@@ -108,8 +108,10 @@ def _names(entry) -> tuple[str, ...]:
 
 
 def _spec(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple:
-  # logical_to_spec reads only `mesh.shape`, so any cluster size works without devices.
-  return tuple(logical_to_spec(leaf.axes, rules, types.SimpleNamespace(shape=axes)))
+  """The leaf's PartitionSpec entries as the engine places it: KV heads fewer than their axis replicated."""
+  # logical_to_spec and fit_spec read only `mesh.shape`, so any cluster size works without devices.
+  mesh = types.SimpleNamespace(shape=axes)
+  return tuple(fit_spec(leaf.axes, logical_to_spec(leaf.axes, rules, mesh), mesh, leaf.shape, None))
 
 
 def shard_shape(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple[int, ...]:
@@ -118,8 +120,6 @@ def shard_shape(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple[int, ..
   out = []
   for dim, (size, entry) in enumerate(zip(leaf.shape, _spec(leaf, rules, axes), strict=True)):
     ways = math.prod(axes[a] for a in _names(entry))
-    if size % ways and leaf.axes[dim] in REPLICATE_IF_UNEVEN:
-      ways = 1
     if size % ways:
       raise ValueError(f"{'.'.join(map(str, leaf.path))}: dim {dim} ({leaf.axes[dim]}={size}) does not divide over "
                        f"mesh axes {entry} ({ways} ways) of mesh {axes}")
@@ -197,13 +197,15 @@ def sync_plan_bytes(model_cfg: ModelConfig, topology: TopologyConfig, *, src_dty
   t_axes, r_axes = dict(topology.trainer_axes), dict(topology.rollout_axes)
   total = per_device = aliased = 0
   for leaf in param_leaves(model_cfg):
+    shard_shape(leaf, TRAIN_RULES, t_axes)  # raises, as TransferPlan would, on a mesh a dim does not divide over
+    dst_shard = shard_shape(leaf, ROLLOUT_RULES, r_axes)
     # carve() builds colocated meshes over the same device list: identical (size, stride) splits alias.
     if topology.colocated and src == dst and _layout(leaf, TRAIN_RULES, t_axes) == _layout(leaf, ROLLOUT_RULES,
                                                                                            r_axes):
       aliased += leaf.size
       continue
     total += leaf.size
-    per_device += math.prod(shard_shape(leaf, ROLLOUT_RULES, r_axes))
+    per_device += math.prod(dst_shard)
   size = dst.itemsize
   return {"total": total * size, "per_rollout_device": per_device * size, "aliased_params": aliased}
 
@@ -223,7 +225,9 @@ def rollout_payload_bytes(batch_prompts: int, group_size: int, prompt_len: int, 
       "token_ids": N * S * i32,  # tokens_MRS: each row holds its prompt and completion
       "sampler_logp": N * C * f32,  # mu, one per response token
       "loss_mask": N * C * f32,  # mask_MBT is float32
-      "gen_ids": N * C * i32,  # weight version each token was sampled under
+      # onpolicy_MBT, float32: the tokens sampled under the step's own weights (from each token's gen_id, which
+      # stays on the host)
+      "onpolicy_mask": N * C * f32,
       "rewards": N * f32,
       "row_layout": (2 * N * S + 2 * N * C) * i32,  # positions + segment ids per row; targets + gather index
   }

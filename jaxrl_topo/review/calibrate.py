@@ -42,8 +42,10 @@ def _validate_spans(spans: Sequence[Mapping]) -> None:
       raise ValueError(f"span {i} ends before it starts: {dict(s)}")
 
 
-def _median_or_none(xs: Sequence[float]) -> float | None:
-  return float(np.median(xs)) if len(xs) else None
+def phase_median(spans: Sequence[Mapping], phase: str, skip_steps: int = 0) -> float | None:
+  """Median over steps >= skip_steps of a phase's per-step wall extent; None if it has no such span."""
+  xs = _per_step(spans, phase, skip_steps)
+  return float(np.median(xs)) if xs else None
 
 
 def _devices(spans: Sequence[Mapping], phase: str) -> set[int]:
@@ -138,8 +140,7 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   fitted so that the simulator's stream (its async mode at `eta`) tiles the same way to the measured mean.
   """
   _validate_spans(spans)
-  med = {ph: _median_or_none(_per_step(spans, ph, skip_steps))
-         for ph in ("rollout", "reward", "logprobs", "train", "sync")}
+  med = {ph: phase_median(spans, ph, skip_steps) for ph in ("rollout", "reward", "logprobs", "train", "sync")}
   rollout_s, train_s = med["rollout"], med["train"]
   if train_s is not None and med["logprobs"] is not None:  # the simulator's train phase includes the pre-pass
     train_s += med["logprobs"]

@@ -39,7 +39,7 @@ class Assumptions:
   sigma: float = 1.0
   max_ratio: float = 30.0
   changed_frac: float = 0.02  # delta sync
-  device_memory_gb: float = 80.0  # one accelerator's memory (H100 80 GB), for the fit check
+  device_memory_gb: float = 80.0  # one accelerator's memory in GiB (an "H100 80GB" holds 80 GiB), for the fit check
 
 
 def memory_fit(step: step_lib.StepBytes, mode: str, device_memory_gb: float) -> dict:
@@ -53,7 +53,7 @@ def memory_fit(step: step_lib.StepBytes, mode: str, device_memory_gb: float) -> 
   return {"trainer_state_per_device": trainer, "rollout_weights_per_device": step.rollout_param_bytes_per_device,
           "largest_per_device": max(on_device, step.rollout_param_bytes_per_device),
           "device_memory_gb": device_memory_gb,
-          "fits": max(on_device, step.rollout_param_bytes_per_device) <= device_memory_gb * 1e9}
+          "fits": max(on_device, step.rollout_param_bytes_per_device) <= device_memory_gb * 2**30}
 
 
 _WHY = {
@@ -86,7 +86,13 @@ def sim_params(cfg: RunConfig, a: Assumptions, sync_bytes: float) -> simulator.S
       median_len=a.median_len or max(1.0, cfg.rollout.max_new_tokens / 4),
       tokens_per_s_per_device=a.decode_tokens_per_s_per_device, per_seq_tokens_per_s=a.per_seq_tokens_per_s,
       train_s=a.train_s, train_devices=t_dev if not colocated else n, sync_bytes=sync_bytes, link_gbps=a.link_gbps,
-      eta=max(1, cfg.run.max_staleness), sigma=a.sigma, max_ratio=a.max_ratio)
+      eta=_eta(cfg), sigma=a.sigma, max_ratio=a.max_ratio)
+
+
+def _eta(cfg: RunConfig) -> int:
+  """The staleness bound the simulated modes run at: the configured one (disaggregated at 0 is sequential), or
+  one step for a colocated config (which forces 0) so that its disjoint-mode rows show what they would give."""
+  return 1 if cfg.topology.mode == "colocated" else cfg.run.max_staleness
 
 
 def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
@@ -101,12 +107,12 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
   step = step_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
-  sync_bytes = step.sync_full
+  sync_bytes = step.sync_per_step
+  skip = 1 if len(metrics) > 2 else 0
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
     params = calibrate.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
-                                 eta=max(1, cfg.run.max_staleness), skip_steps=1 if len(metrics) > 2 else 0,
-                                 stream=cfg.continuous_rollout)
+                                 eta=_eta(cfg), skip_steps=skip, stream=cfg.continuous_rollout)
     source = f"calibrated from the spans of {workdir}"
   else:
     params = sim_params(cfg, assumptions, sync_bytes)
@@ -129,6 +135,10 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     sim = timelines[mode]
     predicted = {ph: float(np.median([s.end - s.start for s in sim.of(ph)])) for ph in ("rollout", "train", "sync")
                  if sim.of(ph)}
+    # The simulator's train phase holds the log-prob pre-pass (calibrate adds it in); the run logs it apart.
+    logprobs = calibrate.phase_median(spans, "logprobs", skip)
+    if logprobs is not None and "train" in predicted:
+      predicted["train"] = max(0.0, predicted["train"] - logprobs)
     fig["overlap"] = audit.overlap_audit(spans, predicted).to_dict()
   plots.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
   if sweep:
@@ -150,8 +160,8 @@ def fit_warning(memory: dict, mode: str) -> str | None:
   if memory["fits"]:
     return None
   where = "trainer state and the rollout copy (colocated)" if mode == "colocated" else "the largest side's state"
-  return (f"does not fit: {where} need {_gb(memory['largest_per_device'])} per device, more than the "
-          f"{memory['device_memory_gb']:g} GB of one device; add trainer fsdp devices, use LoRA, or a smaller model")
+  return (f"does not fit: {where} need {memory['largest_per_device'] / 2**30:.3g} GiB per device, more than the "
+          f"{memory['device_memory_gb']:g} GiB of one device; add trainer fsdp devices, use LoRA, or a smaller model")
 
 
 def _fit_lines(memory: dict, mode: str) -> list[str]:
@@ -173,7 +183,8 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
            "## Weight sync and bytes per step",
            f"- full sync ({b['sync_dtype']}): {_gb(b['sync_full'])} ({_gb(b['sync_full_per_rollout_device'])} per "
            f"rollout device); delta at {b['changed_frac']:.0%} changed: {_gb(b['sync_delta'])}; "
-           f"LoRA: {_gb(b['sync_lora'])}",
+           f"LoRA: {_gb(b['sync_lora'])}; this run's sync.mode={b['sync_mode']} sends "
+           f"{_gb(b['totals']['sync'])} a step",
            f"- rollout payload: {_gb(b['payload']['total'])}; gradient collectives per trainer rank: "
            f"{_gb(b['policy_collectives']['total'])}; reference {_gb(b['reference_collectives'])}, "
            f"critic {_gb(b['critic_collectives']['total'])}"]

@@ -22,9 +22,10 @@ The modes differ only in when batch k may start decoding (its admission gate) an
 
   colocated      all n devices do both, in turn: rollout k, reward, switch, train k, sync k, then rollout k+1.
                  Step time = R(n) + reward_s + switch_s + T(n) + S_local.
-  disaggregated  rollout on `rollout_devices`, training on the other n - rollout_devices, one-step-off
-                 pipelining: batch k starts when batch k-1 finished decoding (the engine drains) and weights
-                 k-1 have landed (sync k-2 ended). Steady state max(R, T + S) (and >= (R + reward + T + S) / 2).
+  disaggregated  rollout on `rollout_devices`, training on the other n - rollout_devices, pipelined eta steps
+                 deep: batch k starts when batch k-1 finished decoding (the engine drains) and weights k-eta
+                 have landed (sync k-1-eta ended). At eta = 1 (one step off) the steady state is max(R, T + S)
+                 (and >= (R + reward + T + S) / 2); eta = 0 is sequential, R + reward + T + S.
   async          disjoint devices, decoding never drains: a freed slot takes the next batch's sequence as soon
                  as that batch is allowed, i.e. once sync k-1-eta ended (weights version k-eta exist), so the
                  producer is at most eta versions ahead. While batch k's stragglers finish, batch k+1 decodes:
@@ -230,7 +231,7 @@ def _gate(mode: str, k: int, eta: int, trainer: _Trainer) -> float | None:
   if mode == "colocated":
     need, drain = k - 1, False  # weights k must exist: sync k-1 (which follows batch k-1)
   elif mode == "disaggregated":
-    need, drain = k - 2, True  # one step off: weights k-1, and the engine drains between batches
+    need, drain = k - 1 - eta, True  # weights k-eta (eta = 1: one step off); the engine drains between batches
   else:
     need, drain = k - 1 - eta, False  # at most eta versions behind
   times = [0.0]

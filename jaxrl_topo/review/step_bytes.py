@@ -36,7 +36,8 @@ class StepBytes:
   rollout_axes: dict[str, int]
   sync_dtype: str  # the rollout copy's dtype (the model's compute dtype)
   changed_frac: float
-  sync_full: int  # what the loop sends each step (TransferPlan, mode full; LoRA runs sync merged weights)
+  sync_mode: str  # the run's sync.mode: which of the three figures below the loop sends each step (`sync_per_step`)
+  sync_full: int  # TransferPlan, mode full: every weight not aliased
   sync_full_per_rollout_device: int
   sync_aliased_params: int  # colocated zero-copy leaves
   sync_delta: int  # changed_frac x sync_full
@@ -49,8 +50,17 @@ class StepBytes:
   critic_collectives: dict[str, int]
   steps_per_hour: float | None = None
 
+  @property
+  def sync_per_step(self) -> int:
+    """What the loop sends each step under the run's sync.mode (delta: at the assumed changed_frac)."""
+    if self.sync_mode == "lora":
+      if self.sync_lora is None:
+        raise ValueError("sync.mode='lora' needs lora.rank > 0")
+      return self.sync_lora
+    return self.sync_delta if self.sync_mode == "delta" else self.sync_full
+
   def totals(self) -> dict[str, int]:
-    return {"sync": self.sync_full, "payload": self.payload["total"],
+    return {"sync": self.sync_per_step, "payload": self.payload["total"],
             "collectives_per_rank": (self.policy_collectives["total"] + self.reference_collectives
                                      + self.critic_collectives["total"])}
 
@@ -84,6 +94,7 @@ def step_bytes(run_cfg: RunConfig, *, changed_frac: float = 0.02, steps_per_hour
   return StepBytes(
       model=name, n_params=sum(leaf.size for leaf in b.param_leaves(model_cfg)), mode=topo.mode,
       trainer_axes=t_axes, rollout_axes=r_axes, sync_dtype=model_cfg.dtype, changed_frac=changed_frac,
+      sync_mode=run_cfg.sync.mode,
       sync_full=plan["total"], sync_full_per_rollout_device=plan["per_rollout_device"],
       sync_aliased_params=plan["aliased_params"],
       sync_delta=round(b.check_frac(changed_frac) * plan["total"]),

@@ -70,8 +70,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> Pa
 REPLICATE_IF_UNEVEN = frozenset({"kv_heads"})
 
 
-def _fitted(names: Sequence[str | None], spec: PartitionSpec, mesh: Mesh, shape: Sequence[int],
-            what: str | None) -> PartitionSpec:
+def fit_spec(names: Sequence[str | None], spec: PartitionSpec, mesh: Mesh, shape: Sequence[int],
+             what: str | None) -> PartitionSpec:
   """`spec` with REPLICATE_IF_UNEVEN dims that do not divide replicated; another such dim raises, naming `what`
   (None: left to JAX)."""
   out = list(spec) + [None] * (len(shape) - len(spec))
@@ -96,7 +96,7 @@ def named_sharding(names: Sequence[str | None], rules: Rules, mesh: Mesh, shape:
   that do not are replicated instead: REPLICATE_IF_UNEVEN)."""
   spec = logical_to_spec(names, rules, mesh)
   if shape is not None:
-    spec = _fitted(names, spec, mesh, shape, what)
+    spec = fit_spec(names, spec, mesh, shape, what)
   return NamedSharding(mesh, spec)
 
 
@@ -105,7 +105,7 @@ def constrain(x: jax.Array, names: Sequence[str | None], sharding: ActivationSha
   if sharding is None:
     return x
   spec = logical_to_spec(names, sharding.rules, sharding.mesh)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, _fitted(names, spec, sharding.mesh,
+  return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, fit_spec(names, spec, sharding.mesh,
                                                                                    x.shape, None)))
 
 
