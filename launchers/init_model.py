@@ -10,6 +10,7 @@ for its EOS ids) instead, and without it a note says how much of the vocabulary 
 --out must be a new or empty directory: an existing model (or anything else) there is refused, not overwritten.
 """
 
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -28,10 +29,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed.")
 _TOKENIZER_FROM = flags.DEFINE_string("tokenizer_from", None, "A local HF directory whose tokenizer to ship instead "
                                       "of the char tokenizer (its vocabulary must fit the preset's).")
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "generation_config.json")
-
-
 def check_tokenizer(src: str, vocab_size: int) -> None:
   """Raises, before anything is written, unless `src` has a tokenizer whose vocabulary fits `vocab_size`."""
   from jaxrl_topo.models.tokenizer import Tokenizer
@@ -44,11 +41,28 @@ def check_tokenizer(src: str, vocab_size: int) -> None:
 
 
 def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
-  """Copies `src`'s tokenizer files over the char tokenizer's; returns their names."""
+  """Replaces the char tokenizer's files with `src`'s (hf_io.TOKENIZER_PREFIXES) and takes its BOS / EOS ids into
+  config.json; returns the names copied. None of the char tokenizer's files stay behind: its chat template or
+  generation_config.json would otherwise win over a source that keeps its template in tokenizer_config.json or
+  has no generation config."""
+  from jaxrl_topo.models.tokenizer import Tokenizer
+
   check_tokenizer(src, vocab_size)
-  copied = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+  for name in hf_io.tokenizer_files(out):
+    os.remove(os.path.join(out, name))
+  copied = [f for f in hf_io.tokenizer_files(src) if os.path.isfile(os.path.join(src, f))]
   for name in copied:
     shutil.copy(os.path.join(src, name), os.path.join(out, name))
+  tok = Tokenizer.from_dir(src)  # its EOS ids: src's generation_config.json, else its config.json, else its tokenizer
+  ids = {"bos_token_id": None if tok.bos_token is None else tok.token_to_id(tok.bos_token),
+         "eos_token_id": list(tok.eos_token_ids) or None}
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  config.update({k: v for k, v in ids.items() if v is not None})
+  for k in (k for k, v in ids.items() if v is None):
+    config.pop(k, None)
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
   return copied
 
 

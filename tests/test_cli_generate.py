@@ -10,6 +10,8 @@ import sys
 import pytest
 from subproc import cpu_env
 
+from jaxrl_topo.models.tokenizer import Tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATE = os.path.join(ROOT, "launchers", "generate.py")
 INIT = os.path.join(ROOT, "launchers", "init_model.py")
@@ -93,9 +95,19 @@ def test_stop_strings_end_a_completion(tmp_path, model):
 def test_init_model_ships_another_models_tokenizer(tmp_path, model):
   """Before: there was no --tokenizer_from (a real preset shipped the char tokenizer alone, silently)."""
   init = os.path.join(ROOT, "launchers", "init_model.py")
-  r = _run(init, "--preset=tiny", f"--out={tmp_path / 'm'}", f"--tokenizer_from={model}")
+  # The older layout: the template inside tokenizer_config.json, no generation_config.json. Before, the char
+  # tokenizer's chat_template.jinja and EOS ids (5, 2) stayed and won over the source's.
+  src = tmp_path / "src"
+  src.mkdir()
+  shutil.copy(model / "tokenizer.json", src / "tokenizer.json")
+  template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+  (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<eos>"}))
+  r = _run(init, "--preset=tiny", f"--out={tmp_path / 'm'}", f"--tokenizer_from={src}")
   assert r.returncode == 0 and "with the tokenizer of" in r.stdout, r.stderr[-3000:]
   assert (tmp_path / "m" / "tokenizer.json").read_text() == (model / "tokenizer.json").read_text()
+  shipped = Tokenizer.from_dir(tmp_path / "m")
+  assert shipped.chat_template == template and shipped.eos_token_ids == (2,)  # "<eos>" is id 2
+  assert json.loads((tmp_path / "m" / "config.json").read_text())["eos_token_id"] == [2]
   r = _run(init, "--preset=tiny", f"--out={tmp_path / 'n'}", f"--tokenizer_from={tmp_path / 'nope'}")
   assert r.returncode == 2 and "no tokenizer.json there" in r.stderr and not (tmp_path / "n").exists(), r.stderr
 

@@ -174,8 +174,6 @@ def test_is_correction_on_and_off():
   off = audit.staleness_audit(_cfg("async", eta=1, is_cap=None))
   assert not off.corrected and off.correction.startswith("not corrected")
   assert any("not corrected" in w and "eta=1" in w for w in off.warnings)
-  ignored = audit.staleness_audit(_cfg("disaggregated", eta=1, is_cap=None, is_mask_low=0.5))
-  assert any("ignored" in w for w in ignored.warnings)
   assert "**Warning**" in off.to_markdown()
 
 

@@ -246,6 +246,17 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, launched, tm
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
 
 
+def test_a_resumed_lora_run_samples_from_the_warmed_up_base(tmp_path):
+  """sync.mode=lora keeps the frozen base on the rollout side. A resume builds the experiment without the warm-up,
+  then restores the checkpoint's (warmed-up) base into the trainer; the rollout kept the built one, so every
+  resumed step sampled from another model than the trainer scored (log-prob gap 2.55 here, not 1e-6)."""
+  lora = {"lora.rank": 4, "sync.mode": "lora", "run.checkpoint_every": 1, "reward.fn": "reward_fns_for_tests:length"}
+  run_lib.train(_cfg("colocated", steps=1, **lora), str(tmp_path), progress=False)
+  summary = run_lib.train(_cfg("colocated", steps=2, **lora), str(tmp_path), progress=False)
+  assert summary["resumed_from"] == 1
+  assert [r["logprob_gap/max"] < 1e-4 for r in read_metrics(str(tmp_path))] == [True, True]
+
+
 def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
   import torch
   import transformers
@@ -403,6 +414,9 @@ def test_model_as_the_main_reward_is_validated_before_anything_runs(tmp_path):
     RewardSpec(fn="model")
   spec = RewardSpec(fn="model", model_dir="/rm", extra={"format": 0.1})
   assert spec.fns == (("format", 0.1),), "the model is scored on devices, not in the worker pool"
+  # Naming the model in `extra` was accepted, then weighted by model_weight instead (or dropped without model_dir).
+  with pytest.raises(ValueError, match=r'reward.extra holds "model": .* weighted by reward.model_weight'):
+    RewardSpec(fn="task", model_dir="/rm", extra={"model": 0.5})
   c = load_config("grpo_task", "tiny", **{"reward.fn": "model", "reward.model_dir": str(tmp_path / "rm")})
   with pytest.raises(ValueError, match="sft_target_accuracy"):  # the demo's warm-up stops on a verifier
     experiment.build(from_config_dict(c), str(tmp_path / "run"))

@@ -223,6 +223,23 @@ def test_special_token_dicts_in_config(tmp_path):
   assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.eos_token_ids) == ("<bos>", "<eos>", None, (2,))
 
 
+def test_special_tokens_map_is_read_like_transformers(tmp_path):
+  """The older layout: tokenizer_config.json names no special tokens, special_tokens_map.json does. Before, they
+  stayed None: the template rendered {{ bos_token }} and {{ eos_token }} empty and no EOS id stopped generation."""
+  tk.save_tokenizer_dir(tmp_path, tk.build_char_tokenizer(), chat_template=None, bos_token=None,
+                        eos_token=None, pad_token=None)
+  template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+    {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}))
+  (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+    {"bos_token": "<bos>", "eos_token": {"content": "<|im_end|>", "special": True}}))
+  ours, ref = tk.Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  chat = [{"role": "user", "content": "hi"}]
+  want = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+  assert ours.apply_chat_template(chat, add_generation_prompt=False) == want == "<bos>user: hi<|im_end|>"
+  assert ours.eos_token_ids == (ref.eos_token_id,) == (5,)
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path):
   (tmp_path / "tokenizer.model").write_bytes(b"\x00")
   with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):

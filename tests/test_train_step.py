@@ -205,8 +205,9 @@ def test_non_finite_batch_is_rejected_then_training_continues(counted):
   before = jax.device_get((state.params, state.opt_state))
   state, m = step(state, _fresh_batch(20, nan_reward=True))
   assert (m["step_ok"], int(state.rejected), int(state.step)) == (0.0, 1, 1), "a NaN reward must reject the step"
-  chex.assert_trees_all_equal(jax.device_get((state.params, state.opt_state)), before,
-                              custom_message="a rejected step changed the params or optimizer state")
+  # All as it was but the learning-rate schedule's counter (it counts train steps, rejected ones included).
+  chex.assert_trees_all_equal(jax.device_get((state.params, step_lib.advance_schedule(state.opt_state, before[1]))),
+                              before, custom_message="a rejected step changed the params or optimizer state")
   state, m = step(state, _fresh_batch(21))
   assert (m["step_ok"], int(state.rejected), int(state.step)) == (1.0, 1, 2), "training did not resume"
   after = jax.device_get(state.params)
@@ -455,10 +456,22 @@ def test_check_batch_rejects_what_cannot_split():
     (dict(kl_kind="k4"), r"LossConfig.kl_kind='k4'"),
     (dict(agg="seq-mean"), r"LossConfig.agg='seq-mean'"),
     (dict(kl_coef=0.1, kl_in_reward=True), r"advantage='grpo' never reads .* use advantage='reinforce_pp' or 'gae'"),
+    # Accepted before, then ignored (the first three) or failing at the first step (the last two).
+    (dict(policy_loss="gspo", dual_clip=3.0), r"dual_clip bounds PPO's clipped loss; policy_loss='gspo'"),
+    (dict(is_cap=None, is_mask_high=5.0), r"with is_cap=None they would be ignored"),
+    (dict(temperature=float("inf")), r"temperature must be finite"),
+    (dict(advantage="reinforce_pp", kl_in_reward=True), r"kl_in_reward=True .* needs kl_coef > 0"),
+    (dict(is_mask_low=2.0, is_mask_high=1.0), r"is_mask_low=2.0 must be < is_mask_high=1.0"),
 ])
 def test_loss_config_rejects_bad_settings_naming_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LossConfig(**{"group_size": G, **kwargs})
+
+
+def test_optim_config_refuses_a_nan_clip():
+  """max_grad_norm=nan passed `< 0`, and clipping by it then wrote NaN weights in a step that reported success."""
+  with pytest.raises(ValueError, match=r"OptimConfig.max_grad_norm=nan must be >= 0"):
+    OptimConfig(max_grad_norm=float("nan"))
 
 
 def test_loss_config_accepts_group_size_one_where_nothing_compares():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 import pytest
 import train_fixtures as fx
 
@@ -16,7 +17,7 @@ from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.config import LossConfig, OptimConfig, TrainConfig
 from jaxrl_topo.train.optim import learning_rate, make_optimizer
 from jaxrl_topo.train.state import create_train_state
-from jaxrl_topo.train.step import train_step
+from jaxrl_topo.train.step import advance_schedule, train_step
 
 N, G, RESP_LEN, ROW_LEN = 16, 4, 6, 12
 
@@ -129,7 +130,36 @@ def test_a_non_finite_batch_rejects_every_update_of_the_step():
   before = jax.device_get((state.params, state.opt_state))
   state, m = _step(cfg, state, _batch(comps, n_micro=2), tx)
   assert (float(m["step_ok"]), int(state.rejected), int(state.step)) == (0.0, 1, 1)
-  fx.assert_trees_close(jax.device_get((state.params, state.opt_state)), before, rtol=0.0, what="a rejected step")
+  # All as it was but the schedule's counters, which count train steps (here 4 updates each).
+  fx.assert_trees_close(jax.device_get((state.params, advance_schedule(state.opt_state, before[1]))), before,
+                        rtol=0.0, what="a rejected step")
+  assert _schedule_counts(state.opt_state) == [4]
+
+
+def _schedule_counts(opt_state) -> list[int]:
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  return [int(x.count) for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x)]
+
+
+def test_after_a_rejected_step_the_schedule_and_the_logged_lr_agree():
+  """Warm-up of 4 steps to lr 1. Step 0 is rejected (a NaN reward), step 1 trains at lr(1) = 0.25, as logged.
+  Before, the schedule's counter was restored with the moments, so step 1 trained at lr(0) = 0 (the weights did
+  not move) while the metric said 0.25, and every later step ran one warm-up step behind."""
+  comps, _ = _completions()
+  bad = list(comps)
+  bad[5] = Completion(comps[5].prompt, comps[5].response, float("nan"), comps[5].sampler_logp)
+  optim = OptimConfig(lr=1.0, warmup_steps=4, max_grad_norm=0.0)
+  cfg = TrainConfig(loss=LossConfig(group_size=G), optim=optim)
+  tx = make_optimizer(optim)
+  state, m = _step(cfg, _fresh(cfg, tx), _batch(bad, n_micro=2), tx)
+  assert float(m["step_ok"]) == 0.0 and _schedule_counts(state.opt_state) == [1]
+  before = jax.device_get(state.params)
+  state, m = _step(cfg, state, _batch(comps, n_micro=2), tx)
+  assert float(m["step_ok"]) == 1.0 and float(m["lr"]) == float(learning_rate(optim)(1)) == 0.25
+  # Adam's first update is g / |g| per weight (bias-corrected moments), so the largest move is the rate itself.
+  moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
+                                                          jax.tree.leaves(before), strict=True))
+  assert moved == pytest.approx(0.25, rel=1e-3)
 
 
 def test_minibatches_must_divide_the_microbatches_and_be_positive():

@@ -94,12 +94,20 @@ def read_eos_token_ids(model_dir: str | os.PathLike, *,
     ids = _as_ids(_read_json(os.path.join(model_dir, name)).get("eos_token_id"))
     if ids is not None:
       return ids
-  eos = _token_str(_read_json(os.path.join(model_dir, "tokenizer_config.json")).get("eos_token"))
+  eos = _special_tokens(model_dir)["eos_token"]
   if eos is None:
     return ()
   tok = tokenizer or tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
   eos_id = tok.token_to_id(eos)
   return () if eos_id is None else (eos_id,)
+
+
+def _special_tokens(model_dir: str) -> dict[str, str | None]:
+  """bos/eos/pad/unk token strings: tokenizer_config.json's, else special_tokens_map.json's (the older layout,
+  where tokenizer_config.json names none of them)."""
+  config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+  older = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
+  return {k: _token_str(config.get(k)) or _token_str(older.get(k)) for k in _SPECIAL_KEYS}
 
 
 def _raise_exception(message: str):
@@ -168,8 +176,7 @@ class Tokenizer:
     if not os.path.exists(path):
       raise FileNotFoundError(f"No tokenizer.json at {path}; only the tokenizers JSON format is supported.")
     tok = tokenizers.Tokenizer.from_file(path)
-    config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-    specials = {k: _token_str(config.get(k)) for k in _SPECIAL_KEYS}
+    specials = _special_tokens(model_dir)
     return cls(tok=tok, chat_template=read_chat_template(model_dir), **specials,
                eos_token_ids=read_eos_token_ids(model_dir, tokenizer=tok), source=model_dir)
 

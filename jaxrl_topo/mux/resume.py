@@ -36,6 +36,7 @@ def build_job(job, checkpoints: bool) -> None:
     return
   exp = job.exp
   exp.state, meta = job.ckpt.restore(latest, abstract_like(exp.state))
+  exp.sync.rebase(exp.state)  # LoRA: the checkpoint's (warmed-up) base
   job.start = int(meta["step"])
   exp.prompts.set_state(meta["data_state"])  # after the last trained batch
   if job.start > 0:

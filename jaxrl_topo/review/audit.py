@@ -163,8 +163,6 @@ def correction_text(is_cap: float | None, mask_low: float | None, mask_high: flo
   gap = (f"tokens up to eta={eta} versions old are trained as if on-policy" if eta > 0 else
          "only the numeric sampler/trainer mismatch (e.g. bf16 vs fp32) remains, but it is not corrected")
   warnings = [f"not corrected: rl.is_cap is None, so the loss has no importance weight against the sampler; {gap}"]
-  if masking:
-    warnings.append(f"rl.is_mask_low/high {bounds} are ignored: masking is applied only together with rl.is_cap")
   return "not corrected (rl.is_cap is None)", False, warnings
 
 

@@ -185,6 +185,9 @@ class RewardSpec:
       raise ValueError("reward: n_workers >= 0, timeout_s > 0, max_sampling_rounds >= 1, overlong_buffer >= 0")
     if self.fn == MODEL_REWARD and self.model_dir is None:
       raise ValueError('reward.fn="model" needs reward.model_dir (an HF *ForSequenceClassification directory)')
+    if MODEL_REWARD in self.extra:
+      raise ValueError(f'reward.extra holds "{MODEL_REWARD}": the reward model is set by reward.model_dir and '
+                       f"weighted by reward.model_weight (here {self.model_weight}), not through extra")
     if self.model_batch_size < 1:
       raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
     if not 0 <= self.max_error_frac <= 1 or self.max_error_steps < 0:

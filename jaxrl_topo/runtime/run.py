@@ -100,6 +100,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
           exp.state, meta = ckpt.restore(latest, abstract_like(exp.state))
         except ValueError as e:  # e.g. a critic run relaunched on a critic-less run's workdir
           raise ValueError(f"{e}\n{_resume_hint(cfg, workdir)}") from e
+      exp.sync.rebase(exp.state)  # LoRA: the checkpoint's (warmed-up) base, not the one built without a warm-up
       meta = hostcomm.broadcast(meta, src=min(holders))
       start, before = meta["step"], meta.get("accuracy_before")
       exp.prompts.set_state(meta["data_state"])  # after the last saved batch

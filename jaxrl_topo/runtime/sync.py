@@ -33,10 +33,8 @@ class WeightSync:
     self.on_bucket: Callable[[int], None] | None = None
     bucket = cfg.sync.bucket_bytes
     if self.mode == "lora":
-      base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket)
-      base, _ = base_plan.run(state.frozen)  # the frozen base crosses once; only adapters follow
-      # A zero-copy route hands back the trainer's own array, which the next train step donates: keep a copy.
-      self.base = jax.tree.map(lambda b, f: jax.device_put(b, may_alias=False) if b is f else b, base, state.frozen)
+      self._base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket)
+      self.rebase(state)
       adapters = state.params["policy"]
       self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket)
     else:
@@ -44,6 +42,15 @@ class WeightSync:
       self.plan = TransferPlan.build(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
                                      mode=self.mode)
     self._adapters = None  # lora: the adapters on the rollout side (the old destination of the next sync)
+
+  def rebase(self, state) -> None:
+    """lora: sends `state`'s frozen base to the rollout side, where the adapters merge into it. The base crosses
+    once a run, and again when a resume restores a checkpoint's (a warmed-up base, not the one built)."""
+    if self.mode != "lora":
+      return
+    base, _ = self._base_plan.run(state.frozen)
+    # A zero-copy route hands back the trainer's own array, which the next train step donates: keep a copy.
+    self.base = jax.tree.map(lambda b, f: jax.device_put(b, may_alias=False) if b is f else b, base, state.frozen)
 
   def policy(self, state):
     """The full policy weights of a train state (LoRA adapters merged into the frozen base, on the trainer)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxrl_topo.runtime.dataclass_io import check_ranges, check_types
 
@@ -39,9 +40,8 @@ class OptimConfig:
     if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
       raise ValueError(f"cosine schedule needs total_steps > warmup_steps, got {self.total_steps=} "
                        f"{self.warmup_steps=}")
-    if self.warmup_steps < 0 or self.max_grad_norm < 0:
-      raise ValueError("OptimConfig.warmup_steps and max_grad_norm must be >= 0")
-    check_ranges("OptimConfig", self, final_lr_frac="0..1", b1="0..1", b2="0..1", eps=">0", weight_decay=">=0")
+    check_ranges("OptimConfig", self, warmup_steps=">=0", max_grad_norm=">=0", final_lr_frac="0..1", b1="0..1",
+                 b2="0..1", eps=">0", weight_decay=">=0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,8 +106,18 @@ class LossConfig:
     if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)) or (
         self.dual_clip is not None and self.dual_clip <= 1):
       raise ValueError("clip_low/clip_high must be >= 0 and dual_clip > 1")
-    if not self.temperature > 0 or self.logprob_chunk <= 0:
-      raise ValueError("temperature must be > 0 and logprob_chunk positive")
+    if not 0 < self.temperature < math.inf or self.logprob_chunk <= 0:
+      raise ValueError("temperature must be finite and > 0, and logprob_chunk positive")
+    if self.dual_clip is not None and self.policy_loss != "ppo":
+      raise ValueError(f"dual_clip bounds PPO's clipped loss; policy_loss={self.policy_loss!r} has none, so it would "
+                       "be ignored: leave dual_clip None")
+    if self.kl_in_reward and not self.kl_coef > 0:
+      raise ValueError("kl_in_reward=True subtracts kl_coef x KL from the token rewards: it needs kl_coef > 0")
+    if self.is_cap is None and (self.is_mask_low is not None or self.is_mask_high is not None):
+      raise ValueError("is_mask_low/is_mask_high mask tokens by the importance ratio that is_cap turns on; with "
+                       "is_cap=None they would be ignored: set is_cap too")
+    if None not in (self.is_mask_low, self.is_mask_high) and not self.is_mask_low < self.is_mask_high:
+      raise ValueError(f"is_mask_low={self.is_mask_low} must be < is_mask_high={self.is_mask_high}")
     check_ranges("LossConfig", self, group_size=">=1", epochs=">=1", minibatches=">=1", kl_coef=">=0",
                  entropy_coef=">=0", is_cap=">0", is_mask_low=">=0", is_mask_high=">0", value_coef=">=0",
                  value_clip=">=0", gamma="0..1", lam="0..1")

@@ -281,9 +281,17 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
       "response_len/mean": norm.n_tokens / (M * B), "step_ok": ok.astype(jnp.float32),
   })
   new_state = state.replace(step=state.step + 1, params=keep_old(params, state.params),
-                            opt_state=keep_old(opt_state, state.opt_state),
+                            opt_state=advance_schedule(keep_old(opt_state, state.opt_state), opt_state),
                             rejected=state.rejected + (~ok).astype(jnp.int32))
   return new_state, metrics
+
+
+def advance_schedule(kept, new):
+  """`kept` (a rejected step's restored optimizer state) with the learning-rate schedule's counters of `new`: the
+  schedule counts train steps, rejected ones included, as `TrainState.step` and the logged `lr` do. AdamW's own
+  count (its bias correction) stays with the moments it corrects."""
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  return jax.tree.map(lambda k, n: n if is_schedule(k) else k, kept, new, is_leaf=is_schedule)
 
 
 def batch_axes(mesh, rules) -> tuple[str, ...]:
