@@ -300,6 +300,10 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     ("lora.rank", -1, "LoraConfig.rank=-1 must be >= 0"),
     ("reward.error_score", float("nan"), "reward.error_score=nan must be a finite number"),
     ("rollout.stop", (1, 2), "rollout.stop[0] must be str, got int 1"),  # before: a TypeError's traceback
+    ("run.seed", 2**32 + 7, "run.seed=4294967303 must be in [0, 2**32)"),  # before: sampled as seed 7 does
+    # before: accepted, then dropped (the run rebuilds its model from config.json)
+    ("model.overrides", {"attention": "reference"}, "model.overrides.attention: not part of the model's config.json"),
+    ("run.sft_lr", float("inf"), "run.sft_lr=inf must be finite"),
 ])
 def test_values_out_of_range_are_refused_naming_the_key(key, value, says):
   """Values a run cannot mean, found by a new user's trial: each was accepted, or failed late with a traceback."""

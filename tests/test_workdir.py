@@ -103,6 +103,17 @@ def test_identity_is_what_json_reads_back(tmp_path):
     assert json.load(f) == workdir.identity(cfg)  # tuples (lora.targets) compare as the lists read back
 
 
+def test_lora_settings_count_only_with_adapters():
+  """A run without LoRA relaunched with another lora.alpha (or its targets reordered) was refused as another run."""
+  plain = workdir.identity(from_config_dict(_config()))
+  retuned = workdir.identity(from_config_dict(_config(**{"lora.alpha": 32.0})))
+  assert workdir.identity_diff(plain, retuned) == []
+  with_adapters = workdir.identity(from_config_dict(_config(**{"lora.rank": 4})))
+  assert workdir.identity_diff(plain, with_adapters) == ["lora.rank: 0 -> 4"]
+  assert workdir.identity_diff(with_adapters, workdir.identity(from_config_dict(
+      _config(**{"lora.rank": 4, "lora.alpha": 32.0})))) == ["lora.alpha: 16.0 -> 32.0"]
+
+
 def test_a_task_config_takes_a_file_source(tmp_path):
   """configs/grpo_task.py with --config.data.source=FILE: the file's rows are the prompts (the task's knobs go
   unused). Before: 'task.name 'reversal' does not match source', and no way to unset data.task from the command

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any
 
 from jaxrl_topo.data.pipeline import PromptDataConfig
@@ -61,6 +62,15 @@ class ModelSpec:
       raise ValueError(f"model.attn_block={self.attn_block} must be >= 8")
     if self.hf_dir is not None and self.overrides:
       raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
+    for name in sorted(set(self.overrides) & set(_NOT_ARCHITECTURE)):  # the run rebuilds the model from config.json
+      raise ValueError(f"model.overrides.{name}: not part of the model's config.json, so the run would not see it; "
+                       f"{_NOT_ARCHITECTURE[name]}")
+
+
+# ModelConfig fields the run sets from its own keys, not from the model directory: an override would be dropped.
+_NOT_ARCHITECTURE = {"attention": "set model.attention", "attn_block": "set model.attn_block",
+                     "dtype": "set model.dtype (the compute dtype)",
+                     "param_dtype": "training keeps fp32 parameters (model.dtype sets the compute dtype)"}
 
 
 ATTENTION = ("flash", "reference", "xla", "cudnn")
@@ -239,6 +249,10 @@ class RunSpec:
                  sft_batch=">=1")
     if self.profile_step < -1:
       raise ValueError(f"run.profile_step={self.profile_step} must be >= 0 (a step to trace) or -1 (none)")
+    if not 0 <= self.seed < 2**32:  # a sampling key keeps 32 bits: 2**32 + 7 would sample as 7 does
+      raise ValueError(f"run.seed={self.seed} must be in [0, 2**32)")
+    if not math.isfinite(self.sft_lr):
+      raise ValueError(f"run.sft_lr={self.sft_lr} must be finite")
 
 
 SYNC_MODES = ("full", "delta", "lora")

@@ -11,23 +11,47 @@ trained twice; the staleness bound holds, the tokens differ).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import pickle
 
 import numpy as np
 
 from jaxrl_topo.rollout.engine import Sample
 from jaxrl_topo.runtime.loop import Trajectories
 
+_PICKLED = "__pickled__"
+
 
 def _plain(v):
+  """`v` as JSON: numpy values as Python ones, containers walked, and anything else JSON cannot hold (a Parquet
+  row's dates, bytes, decimals) pickled under a tag, so the examples come back equal (`_restored`)."""
   if isinstance(v, np.ndarray):
-    return v.tolist()
-  return v.item() if isinstance(v, np.generic) else v
+    v = v.tolist()
+  if isinstance(v, np.generic):
+    v = v.item()
+  if v is None or isinstance(v, str | int | float | bool):
+    return v
+  if isinstance(v, list | tuple):
+    return [_plain(x) for x in v]
+  if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+    return {k: _plain(x) for k, x in v.items()}
+  return {_PICKLED: base64.b64encode(pickle.dumps(v)).decode("ascii")}
+
+
+def _restored(v):
+  if isinstance(v, list):
+    return [_restored(x) for x in v]
+  if isinstance(v, dict):
+    if set(v) == {_PICKLED}:
+      return pickle.loads(base64.b64decode(v[_PICKLED]))
+    return {k: _restored(x) for k, x in v.items()}
+  return v
 
 
 def to_json(traj: Trajectories) -> dict:
   """Everything the train step and its metrics read of a produced batch; floats round-trip exactly."""
-  return {"step": traj.step, "examples": [{k: _plain(v) for k, v in ex.items()} for ex in traj.examples],
+  return {"step": traj.step, "examples": _plain(list(traj.examples)),
           "samples": [dataclasses.asdict(s) for s in traj.samples],
           "rewards_N": traj.rewards_N.tolist(), "rewards_dtype": str(traj.rewards_N.dtype),
           "correct_N": traj.correct_N.tolist(), "correct_dtype": str(traj.correct_N.dtype),
@@ -35,7 +59,16 @@ def to_json(traj: Trajectories) -> dict:
 
 
 def from_json(d: dict) -> Trajectories:
-  return Trajectories(step=d["step"], examples=d["examples"], samples=[Sample(**s) for s in d["samples"]],
+  return Trajectories(step=d["step"], examples=_restored(d["examples"]), samples=[Sample(**s) for s in d["samples"]],
                       rewards_N=np.asarray(d["rewards_N"], d["rewards_dtype"]),
                       correct_N=np.asarray(d["correct_N"], d["correct_dtype"]), info=d["info"],
                       data_state=d["data_state"])
+
+
+def max_lag(saved) -> int | None:
+  """The most weight versions any token of the saved batches (`to_json` dicts) lags the step that trains it;
+  None when there are none."""
+  if not isinstance(saved, list):  # none, or an older checkpoint's note (its batches are regenerated)
+    return None
+  lags = [d["step"] - min(s["gen_ids"]) for d in saved for s in d["samples"] if s["gen_ids"]]
+  return max(lags) if lags else None

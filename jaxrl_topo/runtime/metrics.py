@@ -91,7 +91,7 @@ def _tb_scalar(value: Any) -> float | None:
   return None
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
   """Records of a JSONL file; a truncated final line (killed mid-write) is skipped, any other bad line raises."""
   with open(path, encoding="utf-8") as f:
     lines = f.read().split("\n")
@@ -115,7 +115,7 @@ def _truncate_jsonl(path: str, start_step: int) -> None:
   """Rewrites `path` keeping only the records with step < start_step (atomically, via a temporary file)."""
   if not os.path.exists(path):
     return
-  kept = [r for r in _read_jsonl(path) if r["step"] < start_step]
+  kept = [r for r in read_jsonl(path) if r["step"] < start_step]
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
@@ -127,7 +127,7 @@ def read_metrics(workdir: str) -> list[dict]:
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no metrics file at {path}: was a MetricsWriter created with workdir={workdir!r}?")
-  return _read_jsonl(path)
+  return read_jsonl(path)
 
 
 def read_histograms(workdir: str) -> list[dict]:
@@ -135,7 +135,7 @@ def read_histograms(workdir: str) -> list[dict]:
   path = os.path.join(workdir, HISTOGRAMS_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no histogram file at {path}")
-  return _read_jsonl(path)
+  return read_jsonl(path)
 
 
 def _is_timing_key(key: str, drop_prefixes: Sequence[str], drop_keys: Sequence[str]) -> bool:

@@ -35,7 +35,7 @@ from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
-from jaxrl_topo.runtime.metrics import MetricsWriter
+from jaxrl_topo.runtime.metrics import MetricsWriter, read_jsonl
 from jaxrl_topo.runtime.workdir import CONFIG_FILE
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.carve import carve
@@ -83,6 +83,16 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.run.keep_checkpoints, processes=holders)
           if jax.process_index() in holders else None)
   latest = hostcomm.broadcast(ckpt.latest_step() if ckpt else None, src=min(holders))
+  lag = hostcomm.broadcast(inflight.max_lag(ckpt.meta(latest).get("in_flight")) if ckpt and latest is not None
+                           else None, src=min(holders))
+  eta = 0 if cfg.topology.mode == "colocated" else cfg.run.max_staleness
+  if lag is not None and lag > eta:  # the loop would trip its staleness check on the first of them, a step later
+    if ckpt is not None:
+      ckpt.close()
+    raise ValueError(f"{workdir}: checkpoint {latest} holds batches generated but not trained, sampled up to {lag} "
+                     f"weight versions before the steps that train them; this run allows {eta} "
+                     f"({cfg.topology.mode}, run.max_staleness={cfg.run.max_staleness}). Relaunch with the mode and "
+                     f"run.max_staleness (>= {lag}) it was saved under, or start over with --fresh")
   try:
     exp = experiment_lib.build(cfg, workdir, warmup=latest is None)
   except Exception:
@@ -216,10 +226,7 @@ SPANS_FILE = "spans.jsonl"
 def read_spans(workdir: str) -> list[dict]:
   """The run's timeline: {phase, role, devices, step, gen_id, start, end} per line, seconds since the start."""
   path = os.path.join(workdir, SPANS_FILE)
-  if not os.path.isfile(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return read_jsonl(path) if os.path.isfile(path) else []  # a torn last line (killed mid-write) skipped
 
 
 # ---------------------------------------------------------------- the run's config on disk, and export

@@ -39,7 +39,10 @@ def identity(cfg: RunConfig) -> dict:
 
 
 def identity_diff(old: dict, new: dict) -> list[str]:
-  """'key: old -> new' for every identity key that differs."""
+  """'key: old -> new' for every identity key that differs. LoRA's other settings do not count while both have
+  lora.rank 0 (no adapters: the same model whatever their alpha or targets)."""
+  if old.get("lora.rank") == new.get("lora.rank") == 0:
+    old, new = ({k: v for k, v in d.items() if not k.startswith("lora.") or k == "lora.rank"} for d in (old, new))
   return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
