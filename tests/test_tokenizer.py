@@ -240,6 +240,24 @@ def test_special_tokens_map_is_read_like_transformers(tmp_path):
   assert ours.eos_token_ids == (ref.eos_token_id,) == (5,)
 
 
+@pytest.mark.parametrize("template,message", [
+    # Before: TemplateSyntaxError (the tag transformers uses to mark assistant tokens).
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+     {"role": "assistant", "content": "a"}),
+    # Before: an earlier turn's reasoning, passed as `reasoning` or `thinking`, vanished from the prompt.
+    ("{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+     "{{ m.content }}{% endfor %}", {"role": "assistant", "content": "a", "reasoning": "r"}),
+    ("{% for m in messages %}[{{ m.thinking }}]{{ m.content }}{% endfor %}",
+     {"role": "assistant", "content": "a", "reasoning_content": "r"}),
+])
+def test_generation_blocks_and_reasoning_names_render_like_transformers(tmp_path, template, message):
+  tk.save_tokenizer_dir(tmp_path, tk.build_char_tokenizer(), chat_template=template, bos_token="<bos>",
+                        eos_token="<eos>", pad_token="<pad>")
+  want = transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template([message], tokenize=False)
+  assert tk.Tokenizer.from_dir(tmp_path).apply_chat_template([message], add_generation_prompt=False) == want
+  assert want in ("a", "<think>r</think>a", "[r]a")
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path):
   (tmp_path / "tokenizer.model").write_bytes(b"\x00")
   with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2.ext
+import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -123,11 +124,36 @@ def _strftime_now(fmt: str) -> str:
   return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with it (for masks); the
+  rendered text is the body's, which is all a prompt needs."""
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
+# Names a message's reasoning arrives under; templates read the first (transformers fills it, and "thinking",
+# from whichever is set).
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+  reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+  return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
   """The Hugging Face rendering setup: templates come from the hub, so they run sandboxed and
   cannot mutate our messages; trim/lstrip_blocks and loop controls change whitespace and syntax."""
   env = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -147,11 +173,13 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
   """Renders `messages` as Hugging Face does.
 
   Keys whose value is None are dropped from each message (an API's `content=None`), and `tools` and
-  `documents` default to None, so `is defined` tests in a template see what they see in transformers.
+  `documents` default to None, so `is defined` tests in a template see what they see in transformers. As there,
+  a message's reasoning is passed as `reasoning_content` and `thinking` whichever name it came under, and a
+  `{% generation %}` block renders its body.
   """
   if not messages:
     raise TemplateError("Cannot render an empty conversation.")
-  clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
+  clean = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
   variables = {"tools": None, "documents": None, **variables}
   return _compile(template).render(messages=clean, add_generation_prompt=add_generation_prompt, **variables)
 
