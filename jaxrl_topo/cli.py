@@ -81,7 +81,10 @@ def message(e: BaseException) -> str:
       key, _, hint = text.partition("\n")
       return f"no config key {key}" + (f". {hint}" if hint else "") if isinstance(inner, KeyError) else text
     inner = inner.args[0]
-  return str(e) or type(e).__name__
+  text = str(e) or type(e).__name__
+  if "Failed loading config file" in text:  # ml-collections' four lines, naming its own flag "config_config"
+    return f"--config: {text.strip().splitlines()[-1].strip()}"
+  return text
 
 
 def device_hint(msg: str) -> str:
@@ -153,7 +156,10 @@ def launch(main: Callable[[list[str]], None]) -> None:
   def wrapped(argv):
     if not _LIBRARY_LOGS.value:
       quiet_libraries()
-    return main(argv)
+    try:
+      return main(argv)
+    except app.UsageError as e:  # absl would print every flag's help above it, and exit 1
+      raise UserError(str(e)) from None
 
   try:
     app.run(wrapped, flags_parser=_parse_flags)

@@ -51,6 +51,8 @@ def check_flags() -> SamplingConfig:
   if _MAX_NEW.value < 1:
     raise ValueError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1")
   generate.check_sizes(_BATCH.value, _DATA.value, _TENSOR.value, name=lambda n: f"--{n}")
+  if "" in _STOP.value:  # the empty string is in every text: each completion would end at its first token
+    raise ValueError("--stop='' is empty: a stop string must be non-empty (an unset shell variable?)")
   if _GREEDY.value:  # as --help says: the sampling flags are ignored
     return SamplingConfig(greedy=True)
   try:

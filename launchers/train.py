@@ -33,6 +33,7 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its c
 def preflight(cfg) -> None:
   """What can be checked without JAX devices, before the workdir is touched: the model directory,
   the prompt files, the reward functions, and prompt + response against the model's position limit."""
+  from jaxrl_topo.envs import env as env_lib
   from jaxrl_topo.envs import rewards
   from jaxrl_topo.runtime.workdir import check_positions
 
@@ -46,6 +47,8 @@ def preflight(cfg) -> None:
   check_positions(cfg)  # also run.train's (and the model.overrides check)
   for name, _ in cfg.reward.fns:
     rewards.resolve(name)
+  if cfg.env.fn:
+    env_lib.resolve(cfg.env.fn)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -138,14 +138,37 @@ def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
     ("sync_check.py", ["--trainer=fsdp=1,fsdp=1"], "error: --trainer=fsdp=1,fsdp=1: an axis is named twice"),
     # before: absl's usage text (every flag) with the message last and no error: prefix
     ("sync_check.py", ["--rollout=data:2"], "error: --rollout=data:2: expected name=size[,name=size]"),
+    # before: every flag's help (about 30 lines), then the message, status 1
+    ("local_multiprocess.py", ["--num_processes=0", "--", "python", "-c", "1"], "error: --num_processes=0"),
 ])
 def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says):
   out = tmp_path / "rv"
   review = [f"--out={out}", "--config=configs/grpo_task.py:tiny"] if script == "review.py" else []
   r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", script), *review, *args],
                      capture_output=True, text=True, cwd=ROOT, timeout=120, env=_env())
-  assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert not any(line.lstrip().startswith("--") for line in r.stderr.splitlines()), r.stderr[-3000:]  # no flag help
   assert not out.exists()
+
+
+def test_a_review_with_nothing_to_review_and_a_missing_config_file_are_one_line(tmp_path):
+  """Before: absl's usage text (every flag) above the message, status 1; and ml-collections' four lines about
+  its own flag "config_config" for a config file that is not there."""
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "review.py"), f"--out={tmp_path / 'rv'}"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=120, env=_env())
+  assert r.returncode == 2 and r.stderr.startswith("error: give --config, or --workdir"), r.stderr[-3000:]
+  r = _train("--config=configs/nope.py:tiny", f"--workdir={tmp_path / 'w'}")
+  assert r.returncode == 2 and r.stderr.startswith(
+      "error: --config: [Errno 2] No such file or directory: 'configs/nope.py'"), r.stderr[-3000:]
+  assert len(r.stderr.splitlines()) == 2 and not (tmp_path / "w").exists()
+
+
+def test_an_environment_that_does_not_import_is_refused_before_the_workdir_is_made(tmp_path):
+  """Before: "reward 'no_such_env:Env': ...", after the workdir was made and the model built."""
+  r = _train(f"--config={os.path.join(ROOT, 'configs', 'tool_calc.py')}", f"--workdir={tmp_path / 'w'}",
+             "--config.env.fn=no_such_env:Env")
+  assert r.returncode == 2 and "error: env.fn 'no_such_env:Env': no module named 'no_such_env'" in r.stderr, r.stderr
+  assert not (tmp_path / "w").exists()
 
 
 def test_invalid_value_without_then_with_traceback(tmp_path):

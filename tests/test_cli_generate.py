@@ -131,6 +131,8 @@ def test_non_positive_sizes_are_refused(tmp_path, model):
   p, out = _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"
   for flag in ("--data=0", "--max_new_tokens=0"):
     _one_line_error(_generate(model, p, out, flag), f"{flag} must be >= 1")
+  # Before: accepted, and every completion ended at its first token ("" is in every text).
+  _one_line_error(_generate(model, p, out, "--stop="), "--stop='' is empty")
   assert not out.exists()
   for sizes, says in (((8, -2, 1), "--data=-2 must be >= 1"), ((8, 1, 0), "--tensor=0 must be >= 1"),
                       ((0, 1, 1), "--batch_size=0 must be >= 1"), ((3, 2, 1), "--batch_size=3 must be a multiple "

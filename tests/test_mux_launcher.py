@@ -206,6 +206,8 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "0-grpo_task: 3 steps" in out.stdout and "1-dapo: FAILED" in out.stdout, out.stdout
+  # Progress while the group runs (before: nothing between the builds and the summary).
+  assert all(f"mux: 0-grpo_task step {k}/3, reward " in out.stderr for k in (1, 2, 3)), out.stderr[-3000:]
   with open(tmp_path / "mux_summary.json") as f:
     summary = json.load(f)
   assert summary["jobs"]["0-grpo_task"]["ok"] and "boom" in summary["jobs"]["1-dapo"]["error"]

@@ -300,6 +300,8 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     ("lora.rank", -1, "LoraConfig.rank=-1 must be >= 0"),
     ("reward.error_score", float("nan"), "reward.error_score=nan must be a finite number"),
     ("rollout.stop", (1, 2), "rollout.stop[0] must be str, got int 1"),  # before: a TypeError's traceback
+    ("rollout.stop", ("",), "holds an empty string"),  # before: refused at the first rollout, after the warm-up
+    ("rollout.n_pages", -8, "rollout.n_pages=-8 must be >= 0"),
     ("run.seed", 2**32 + 7, "run.seed=4294967303 must be in [0, 2**32)"),  # before: sampled as seed 7 does
     # before: accepted, then dropped (the run rebuilds its model from config.json)
     ("model.overrides", {"attention": "reference"}, "model.overrides.attention: not part of the model's config.json"),

@@ -40,7 +40,7 @@ BUILTINS = {"calc": "jaxrl_topo.data.tool_calc:CalcEnv"}  # built-in names -> im
 
 def resolve(path: str):
   """The environment factory named by a built-in name or "pkg.module:Name" (rewards.resolve's rules)."""
-  return rewards.resolve(BUILTINS.get(path, path))
+  return rewards.resolve(path, what="env.fn", builtins=BUILTINS)
 
 
 def replay(make_env, example: Mapping[str, Any], model_texts: Sequence[str]) -> tuple[str, float, bool, dict]:

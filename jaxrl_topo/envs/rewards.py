@@ -24,6 +24,7 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Mapping
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Protocol
@@ -192,20 +193,22 @@ def format_reward(prompts: list[str], completions: list[str], metadata: list[dic
   return scores
 
 
-def resolve(path: str) -> RewardFn:
-  """The reward function named by a built-in name (`BUILTINS`) or an import path "pkg.module:fn".
+def resolve(path: str, what: str = "reward", builtins: Mapping[str, str] | None = None) -> RewardFn:
+  """The reward function named by a built-in name (`BUILTINS`) or an import path "pkg.module:fn"; `what` names
+  the setting in errors, `builtins` replaces BUILTINS (environments: envs/env.py).
 
   The attribute may be dotted ("pkg.module:Class.method"). Modules are found on sys.path and in
   the current directory (`my_reward.py` where you run the launcher is "my_reward:fn"). Raises
   ValueError, naming the path, for a malformed path, a module that is missing or fails to import,
   a missing attribute, or an object that is not callable.
   """
+  builtins = BUILTINS if builtins is None else builtins
   if not isinstance(path, str):
-    raise ValueError(f"reward must be a name or an import path string, got {type(path).__name__}: {path!r}")
-  target = BUILTINS.get(path, path)
-  what = f"reward {path!r}" + (f" ({target})" if target != path else "")
+    raise ValueError(f"{what} must be a name or an import path string, got {type(path).__name__}: {path!r}")
+  target = builtins.get(path, path)
+  what = f"{what} {path!r}" + (f" ({target})" if target != path else "")
   if (m := _PATH.fullmatch(target)) is None:
-    raise ValueError(f"{what}: expected a built-in name ({', '.join(BUILTINS)}) or an import path "
+    raise ValueError(f"{what}: expected a built-in name ({', '.join(builtins)}) or an import path "
                      "'pkg.module:fn'")
   module_name, attr = m.groups()
   if os.getcwd() not in sys.path and "" not in sys.path:  # a reward module beside the user, as `python -c` finds it

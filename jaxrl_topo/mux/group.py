@@ -323,6 +323,9 @@ class Group:
       if "eval" in held:
         end_eval(step)
       job.metrics.append({k: v for k, v in m.items() if not k.startswith("_")} | {"step": step})
+      steps = job.spec.cfg.run.steps
+      if (step + 1) % job.spec.cfg.run.log_every == 0 or step + 1 == steps:  # progress: a group runs for hours
+        logging.info("mux: %s step %d/%d, reward %.4g", jid, step + 1, steps, m.get("reward/mean", float("nan")))
       extra.on_step(step, m)
 
     def on_chunk(engine) -> None:

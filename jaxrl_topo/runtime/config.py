@@ -152,6 +152,10 @@ class RolloutSpec:
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
       if getattr(self, name) <= 0:
         raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
+    if self.n_pages < 0:
+      raise ValueError(f"rollout.n_pages={self.n_pages} must be >= 0 (0: every slot at full length)")
+    if "" in self.stop:  # the empty string is in every text: each completion would end at its first token
+      raise ValueError(f"rollout.stop={self.stop!r} holds an empty string; stop strings must be non-empty")
     self.sampling  # noqa: B018  (validates temperature / top-k / top-p / min-p now)
 
   @property
