@@ -330,3 +330,36 @@ def test_an_empty_eval_file_is_named(tok, tmp_path):
   held.write_text("")
   with pytest.raises(ValueError, match=f"No rows in {held}"):
     pl.load_prompts(pl.PromptDataConfig(source=str(train), eval_source=str(held)), tok, "heldout")
+
+
+def test_seeds_do_not_replay_each_others_epochs(tmp_path, tok):
+  """grain seeds epoch e with seed + e: seed 1's first epoch was seed 0's second, and so on."""
+  path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": str(i)} for i in range(50)])
+
+  def epochs(seed):
+    it = pl.make_prompt_iterator(pl.PromptDataConfig(source=path, batch_size=50, seed=seed), tok, process_index=0,
+                                 process_count=1)
+    return [_rows([next(it)]) for _ in range(3)]
+
+  zero, one = epochs(0), epochs(1)
+  assert zero[1] != one[0] and zero[2] != one[1] and sorted(one[0]) == list(range(50))
+  assert pl.shuffle_seed(0) != pl.shuffle_seed(1) and 0 <= pl.shuffle_seed(2**32 - 1) < 2**32
+
+
+def test_text_that_is_not_unicode_is_refused_naming_the_line(tmp_path, tok):
+  """Before: a bare UnicodeDecodeError, and a lone surrogate ("\\ud800", valid JSON) a TypeError from the
+  tokenizer, neither naming the file or line."""
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+  with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text"):
+    pl.load_prompts(pl.PromptDataConfig(source=str(path)), tok)
+  path = _write_jsonl(tmp_path / "sur.jsonl", ['{"prompt": "a\\ud800b", "answer": "1"}'])
+  with pytest.raises(ValueError, match=r"sur.jsonl:1: the prompt is not valid Unicode text"):
+    pl.load_prompts(pl.PromptDataConfig(source=path), tok)
+
+
+def test_an_empty_task_split_names_its_knob(tok):
+  cfg = pl.PromptDataConfig(source="arithmetic", task=tasks.TaskConfig(name="arithmetic", n_train=50, n_heldout=0))
+  with pytest.raises(ValueError, match=r"No heldout prompts in task 'arithmetic': data.task.n_heldout=0"):
+    pl.load_prompts(cfg, tok, "heldout")
+

@@ -93,6 +93,22 @@ def test_calculator_environment_by_hand():
   env.reset(dict(EX))
   assert env.step("<calc>__import__('os')</calc>")[1:3] == (0.0, True)  # not a call: a (wrong) final answer
   assert tool_calc.evaluate_expr("2**10") is None and tool_calc.evaluate_expr("7 * 6") == 42
+  # Answers int() cannot read are wrong answers, not environment errors (before: ValueError for both).
+  for wrong in ("--408", "4²"):
+    env.reset(dict(EX))
+    assert env.step(wrong) == ("", 0.0, True, {"correct": 0.0, "tool_calls": 0, "tool_correct": 0.0})
+  # The transcript's turn markers between the tool result and the answer (before: 0.0, the answer read as a marker).
+  transcript = "<calc>12*34</calc><|im_end|>\n<|im_start|>user\n<result>408</result><|im_end|>\n<|im_start|>" \
+               "assistant\n408"
+  assert tool_calc.verify(transcript, EX) == 1.0 and tool_calc.verify(transcript[:-1] + "9", EX) == 0.0
+
+
+def test_calc_operands_have_max_operands_digit_count():
+  """Before: the lower bound was (max_operand + 1) // 10, right for 99 only: 150 drew 15-150."""
+  for top, low in ((9, 1), (99, 10), (150, 100), (50, 10)):
+    cfg = tasks.TaskConfig(name="tool_calc", max_operand=top, ops="+", n_train=80, n_heldout=1)
+    operands = [int(x) for e in tasks.make_split(cfg, "train") for x in e["expr"].split("+")]
+    assert min(operands) >= low and max(operands) <= top and min(operands) < low + 5, (top, min(operands))
 
 
 def test_calc_task_split_is_seeded_and_disjoint():

@@ -109,8 +109,12 @@ def _is_file_source(path: str) -> bool:
 def read_jsonl(path: str) -> list[tuple[str, dict[str, Any]]]:
   """One JSON object per non-blank line."""
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
       if not line.strip():
         continue
       try:
@@ -173,6 +177,10 @@ def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig,
   examples, n_skipped, n_truncated = [], 0, 0
   for row_index, (where, row) in enumerate(rows):
     example = _example(where, row, cfg)
+    try:
+      example["prompt"].encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" is valid JSON): the tokenizer would fail unnamed
+      raise ValueError(f"{where}: the prompt is not valid Unicode text ({e})") from None
     ids = _encode(tokenizer, example["prompt"], cfg.chat_template)
     if not ids:
       raise ValueError(f"{where}: prompt encodes to no tokens")
@@ -208,7 +216,12 @@ def load_prompts(cfg: PromptDataConfig, tokenizer: Tokenizer, split: str = "trai
       raise ValueError(f"No held-out prompts: set eval_source for file source {cfg.source!r}.")
   else:
     raise ValueError(f"split must be 'train' or 'heldout', got {split!r}.")
-  return tokenize_rows(_read_rows(source, cfg, split), cfg, tokenizer, source)
+  rows = _read_rows(source, cfg, split)
+  if not rows and cfg.is_task and source == cfg.source:
+    knob = "n_train" if split == "train" else "n_heldout"
+    raise ValueError(f"No {split} prompts in task {source!r}: data.task.{knob}=0 (a run trains on the one split and "
+                     "evaluates on the other)")
+  return tokenize_rows(rows, cfg, tokenizer, source)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +237,7 @@ class PromptIterator(Iterator[list[dict[str, Any]]]):
 
   def __init__(self, dataset: grain.MapDataset, layout: list[int], stats: PromptStats):
     self._it = dataset.to_iter_dataset(_READ_OPTIONS).__iter__()
-    self._layout = layout  # [seed, process_index, process_count, batch_size, n_kept]
+    self._layout = layout  # [seed, process_index, process_count, batch_size, n_kept, SHUFFLE_VERSION]
     self.stats = stats
 
   def __next__(self) -> list[dict[str, Any]]:
@@ -234,11 +247,23 @@ class PromptIterator(Iterator[list[dict[str, Any]]]):
     return {"next_index": int(self._it.get_state()["next_index"]), "layout": list(self._layout)}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
-    names = "seed, process_index, process_count, batch_size, n_prompts"
+    names = "seed, process_index, process_count, batch_size, n_prompts, shuffle version"
     if list(state.get("layout", ())) != self._layout:
       raise ValueError(f"Iterator state is for layout [{names}] = {state.get('layout')}, but this pipeline is "
                        f"{self._layout}: resuming would read different prompts.")
     self._it.set_state({"next_index": int(state["next_index"])})
+
+
+SHUFFLE_VERSION = 2  # in the iterator's layout: a state saved under another seed derivation is refused
+
+
+def shuffle_seed(seed: int) -> int:
+  """The seed grain shuffles with: `seed` mixed (splitmix64's finaliser), since grain seeds epoch e with
+  seed + e, and seed s + 1 would then replay seed s's order one epoch later."""
+  z = (seed + 0x9E3779B97F4A7C15) % 2**64
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+  return (z ^ (z >> 31)) % 2**32
 
 
 def make_prompt_iterator(cfg: PromptDataConfig, tokenizer: Tokenizer, *, process_index: int,
@@ -248,11 +273,11 @@ def make_prompt_iterator(cfg: PromptDataConfig, tokenizer: Tokenizer, *, process
     raise ValueError(f"Need 0 <= process_index < process_count, got {process_index=}, {process_count=}.")
   prompts = load_prompts(cfg, tokenizer, "train")
   dataset = (grain.MapDataset.source(prompts.examples)
-             .shuffle(seed=cfg.seed)
+             .shuffle(seed=shuffle_seed(cfg.seed))
              .repeat()  # infinite; reseeds the shuffle each epoch
              [process_index::process_count]
              .batch(cfg.batch_size, batch_fn=_copy_batch))
-  layout = [cfg.seed, process_index, process_count, cfg.batch_size, prompts.stats.n_kept]
+  layout = [cfg.seed, process_index, process_count, cfg.batch_size, prompts.stats.n_kept, SHUFFLE_VERSION]
   return PromptIterator(dataset, layout, prompts.stats)
 
 

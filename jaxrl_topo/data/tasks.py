@@ -126,7 +126,7 @@ def _reversal(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def _tool_low(cfg: TaskConfig) -> int:
-  return max(1, (cfg.max_operand + 1) // 10)  # 99 -> 10: operands with as many digits as max_operand
+  return 10 ** (len(str(cfg.max_operand)) - 1)  # 99 -> 10, 150 -> 100: operands with max_operand's digit count
 
 
 def _tool_calc(cfg: TaskConfig, rng: np.random.Generator) -> dict[str, Any]:

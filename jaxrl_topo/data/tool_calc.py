@@ -63,7 +63,7 @@ class CalcEnv:
         self.tool_correct = 1.0
       return f"<result>{'error' if value is None else value}</result>", 0.0, False, self._info(0.0)
     answer = final_answer(model_text)
-    correct = float(answer.lstrip("-").isdigit() and int(answer) == self.want)
+    correct = float(re.fullmatch(r"-?[0-9]+", answer) is not None and int(answer) == self.want)  # "--408": wrong
     return "", correct, True, self._info(correct)
 
   def _info(self, correct: float) -> dict:
@@ -73,5 +73,5 @@ class CalcEnv:
 def verify(completion: str, example: Mapping[str, Any]) -> float:
   """1.0 if the text after the last tool result (or the whole text) answers the example."""
   tail = completion.rsplit("</result>", 1)[-1]
-  tail = re.sub(r"^\s*(<\|im_end\|>|<\|im_start\|>\w*)*\s*", "", tail)
+  tail = re.sub(r"^(\s*(<\|im_end\|>|<\|im_start\|>\w*))*\s*", "", tail)  # the turn markers between
   return float(final_answer(tail) == str(example["answer"]))
