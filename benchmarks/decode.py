@@ -34,7 +34,8 @@ timed (median of `--repeats`, a fresh prefill before each); one line per (paged 
 The engine's lines also report host_reads / uploads per 1000 generated tokens (blocking device-to-host reads;
 calls carrying host data to the device), `occupancy` = slot-steps that emitted a token / slot-steps run (steps a
 chunk skipped because every row had finished are not run), and `occupancy_queued`, the same over the chunks dispatched
-while requests were waiting for a slot (what admission controls; the tail after the queue empties is the workload's),
+while requests were waiting for a slot (what admission controls; the tail after the queue empties is the workload's;
+null when no request ever waited),
 and `occupancy_rows`, the same over the rows the steps computed (a step runs its shard's live rows packed into a
 power-of-two batch, so idle slots cost nothing there).
 Each configuration runs the whole workload once untimed (compiles every shape it needs), then `--repeats` times
@@ -216,7 +217,8 @@ def engine_rates(stats, tokens: int) -> dict:
   return {"host_reads_per_1k": 1000 * stats.get("host_reads", 0) / max(tokens, 1),
           "uploads_per_1k": 1000 * stats.get("uploads", 0) / max(tokens, 1),
           "occupancy": stats.get("busy_steps", 0) / max(stats.get("slot_steps", 0), 1),
-          "occupancy_queued": stats.get("busy_steps_queued", 0) / max(stats.get("slot_steps_queued", 0), 1),
+          "occupancy_queued": (stats["busy_steps_queued"] / stats["slot_steps_queued"]  # None: nothing ever queued
+                               if stats.get("slot_steps_queued") else None),
           "occupancy_rows": stats.get("busy_steps", 0) / max(stats.get("row_steps", 0), 1),
           "slot_steps_queued": stats.get("slot_steps_queued", 0),
           "prefill_calls": stats.get("prefill_calls", 0), "chunks": stats.get("chunks", 0)}

@@ -6,7 +6,7 @@ Per mode: one uninterrupted reference run of the tiny config (8 steps, checkpoin
 takes it, `run.deterministic=True`), then `--trials` runs that are each sent SIGKILL at a random moment of
 their RL phase (once the first step's metrics are written, after a delay uniform over the reference's
 time from that point to its exit, seeded) and launched again in the same workdir. A
-trial passes when the relaunch exits 0 and its metrics.jsonl holds steps 0..5 once each, every step
+trial passes when the relaunch exits 0 and its metrics.jsonl holds steps 0..7 once each, every step
 trained the reference's prompt batch (`data/prompt_hash`: nothing lost, nothing trained twice, the
 order kept) within the staleness bound; `exact` says whether every metric (timings aside) equals the
 reference's. Devices: 2 fake CPU devices per process (trainer 1 + rollout 1). The processes share a

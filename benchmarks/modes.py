@@ -133,6 +133,8 @@ def main() -> None:
   ap.add_argument("--rollout_tensor", type=int, default=2, help="the rollout mesh's tensor axis (1, 2 or 4)")
   ap.add_argument("--skip", type=int, default=1, help="steady state: after the first SKIP steps (compilation)")
   args = ap.parse_args()
+  if not 0 <= args.skip < args.steps:  # steps after the first --skip are timed: at least one
+    ap.error(f"--steps={args.steps} --skip={args.skip}: need 0 <= --skip < --steps")
   os.makedirs(args.out, exist_ok=True)
   for mode in args.modes.split(","):
     print(json.dumps(run_mode(mode, args.steps, args.median, args.out, args.skip, args.rollout_tensor)), flush=True)

@@ -87,6 +87,8 @@ def main() -> None:
   ap.add_argument("--resize", default="off", help="comma-separated group runs: off (run.deterministic, every "
                   "rollout on the whole mesh) and/or on (mux.resize: rollouts beside a tail on the free shards)")
   args = ap.parse_args()
+  if args.skip < 1:  # the steady state starts after a job's first (compiling) step, and is timed from its end
+    ap.error(f"--skip={args.skip} must be >= 1")
   if args.steps < args.skip + 2:  # mux_per_step: train spans that end in the steady state, one apart at least
     ap.error(f"--steps={args.steps}: at least --skip + 2 = {args.skip + 2}, to time steps after the first --skip")
   os.makedirs(args.out, exist_ok=True)

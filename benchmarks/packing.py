@@ -7,7 +7,7 @@ Completion lengths as in benchmarks/decode.py's long-tail workload (lognormal, m
 runtime/loop.py's make_batch does: padded (one per row of prompt + max_new_tokens tokens) or, after
 spreading whole groups evenly over the microbatches (train/batch.py balance_groups), packed
 first-fit-decreasing into rows of at most `train.max_tokens_per_row` tokens (train/batch.py plan_rows: the
-row count a multiple of the data-parallel width, the row length then shrunk in steps of 128). One JSON
+row count a multiple of the data-parallel width, the row length then shrunk in steps of 64). One JSON
 line per (layout, budget) with the mean padding fraction over `--steps` batches and the distinct
 (rows per microbatch, row length) shapes: each compiles the train step once.
 Target (issue 14): <= 10% padding when packed.

@@ -26,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_topo.models.model import abstract_model, param_shardings
 from jaxrl_topo.models.presets import get_preset
@@ -103,9 +102,10 @@ def main():
       for seq_len in (int(s) for s in args.seq_lens.split(",")):
         rows.append(measure(preset, seq_len, variant, args))
         print(json.dumps(rows[-1]), flush=True)
-      lo, hi = (r["temp_bytes"] for r in rows[-2:]) if len(args.seq_lens.split(",")) == 2 else (np.nan, np.nan)
-      print(json.dumps({"bench": "train_memory_growth", "preset": preset, "variant": variant,
-                        "temp_ratio_long_over_short": hi / lo}), flush=True)
+      if len(args.seq_lens.split(",")) == 2:  # the growth from the shorter length to the longer, in either order
+        short, long = sorted(rows[-2:], key=lambda r: r["seq_len"])
+        print(json.dumps({"bench": "train_memory_growth", "preset": preset, "variant": variant,
+                          "temp_ratio_long_over_short": long["temp_bytes"] / short["temp_bytes"]}), flush=True)
 
 
 if __name__ == "__main__":
