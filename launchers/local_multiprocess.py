@@ -72,7 +72,8 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int, ti
   Returns the first non-zero exit code, 124 on timeout, else 0."""
   port = free_port()
   procs = [subprocess.Popen(list(command), env=child_env(i, num_processes, port, devices_per_process),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")  # a byte that is not UTF-8 must not stop the pump (the child would block)
            for i in range(num_processes)]
   tails = [collections.deque(maxlen=_TAIL) for _ in procs]
   lock = threading.Lock()

@@ -43,6 +43,15 @@ def test_a_failing_process_ends_the_run_with_its_error(capfd, monkeypatch):
   assert "Traceback" not in out
 
 
+def test_local_multiprocess_passes_bytes_that_are_not_utf8(capfd):
+  """Before: the output thread died on the byte, nothing drained the pipe, and the child blocked until the timeout."""
+  child = ("import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); "
+           "[print('x' * 100) for _ in range(3000)]")
+  rc = local_multiprocess.run([sys.executable, "-c", child], num_processes=1, devices_per_process=1, timeout_s=60)
+  out = capfd.readouterr().out
+  assert rc == 0 and "caf\ufffd" in out and out.count("x" * 100) == 3000
+
+
 def test_local_multiprocess_runs_python_as_itself_and_hints_its_own_device_flag(monkeypatch):
   assert local_multiprocess.with_this_python(["python", "x.py", "python"]) == [sys.executable, "x.py", "python"]
   assert local_multiprocess.with_this_python(["bash", "-c", "python x.py"]) == ["bash", "-c", "python x.py"]

@@ -121,6 +121,14 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   assert second["resumed_from"] == 3 and second["accuracy_after"] == first["accuracy_after"]
   for k in ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s"):  # the run's figures survive
     assert second[k] == first[k] is not None, k
+  # Exported under two processes: process 1 holds no trainer device, so it neither reads the checkpoint (before: it
+  # tried, and failed) nor writes; the weights equal a one-process export's.
+  export = [sys.executable, os.path.join(ROOT, "launchers", "export.py"), f"--workdir={tmp_path / 'mp'}",
+            f"--out={tmp_path / 'hf2'}"]
+  rc = local_multiprocess.run(export, num_processes=2, devices_per_process=4, timeout_s=300)
+  assert rc == 0, f"the export failed (rc={rc}):\n{capfd.readouterr().out[-5000:]}"
+  run_lib.export(str(tmp_path / "mp"), str(tmp_path / "hf1"))
+  assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors").read_bytes()
 
 
 def _one_process_run(workdir):

@@ -54,6 +54,11 @@ def test_disaggregated_resume_trains_the_in_flight_batch_as_it_was(tmp_path):
   assert [r["step"] for r in got] == list(range(6))
   assert [r["staleness/max"] for r in got][2:] == [1, 1, 1, 1], "batches 2-5 were sampled one version behind"
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
+  # Its timeline holds every phase of every step: the restored in-flight batch's rollout and reward spans are kept
+  # (before: dropped, as if redone).
+  from jaxrl_topo.runtime.run import read_spans
+  phases = lambda d: sorted((s["phase"], s["step"]) for s in read_spans(str(d)))  # noqa: E731
+  assert phases(run) == phases(tmp_path / "ref")
 
 
 def test_in_flight_examples_round_trip_whatever_their_values():

@@ -475,3 +475,28 @@ def test_the_rollout_config_reaches_the_engine():
   e = engine_config(rc, (2,), 0)
   assert (e.min_window_tokens, e.max_chunk, e.impl, e.page_size, e.min_pack_rows) == (16, 64, "bucketed", 4, 4)
   assert e.max_len == 16 and e.n_pages == 16 * 4 and e.window_min_pages == 4 and e.eos_ids == (2,)
+
+
+def test_every_process_takes_process_0s_scores(monkeypatch):
+  """Each process scores in its own reward pool against a wall-clock timeout: a timeout on one process gave it
+  other rewards, and a colocated run then failed in device_put ("not the same on each process"), or logged
+  another held-out accuracy. The scores now pass through a broadcast from process 0 (a stand-in here)."""
+  import types
+
+  from jaxrl_topo.runtime import rollout_side
+  from jaxrl_topo.runtime.config import RewardSpec
+
+  class Pool:
+    def submit(self, prompts, texts, meta):
+      return 0
+
+    def collect(self, tickets):
+      return types.SimpleNamespace(total_N=np.array([1.0, 0.0], np.float32), per_fn={"task": np.array([1.0, 0.0])},
+                                   errors=0, timeouts=0)
+
+  cfg = types.SimpleNamespace(reward=RewardSpec(fn="task"), rl=types.SimpleNamespace(group_size=2))
+  exp = types.SimpleNamespace(cfg=cfg, env=None, rewards=Pool(), reward_model=None)
+  monkeypatch.setattr(rollout_side.hostcomm, "broadcast", lambda obj, src: (obj[0] * 0 + 7.0, obj[1], obj[2]))
+  samples = [types.SimpleNamespace(tokens=[5]), types.SimpleNamespace(tokens=[6])]
+  rewards, _, _ = rollout_side.score(exp, [{"prompt": "p", "prompt_ids": [1]}], samples, tickets=[0])
+  assert rewards.tolist() == [7.0, 7.0]

@@ -86,7 +86,8 @@ def model_dir_for(cfg: RunConfig, workdir: str) -> str:
       raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json")
     return cfg.model.hf_dir
   path = os.path.join(workdir, "init_model")
-  if not os.path.isfile(os.path.join(path, "config.json")):
+  # Process 0's answer: a process that looked after process 0 had written the model would skip the barrier.
+  if not broadcast(os.path.isfile(os.path.join(path, "config.json")), src=0):
     try:
       model_cfg = dataclasses.replace(get_preset(cfg.model.preset), **cfg.model.overrides)
     except TypeError as e:

@@ -33,6 +33,7 @@ from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import MODEL_REWARD
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.topology import hostcomm
 
 _ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys
 _MAX_SEQ_ID = 2**31 - 1  # sequence ids are int32 on device
@@ -132,7 +133,14 @@ def score(exp: Experiment, examples: list[dict], samples: list[Sample],
     limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
     over = np.array([max(0, len(s.tokens) - limit) for s in samples], np.float32)
     rewards -= rc.overlong_penalty * over / rc.overlong_buffer
-  return rewards, main, info
+  return agreed((rewards, main, info))
+
+
+def agreed(scores):
+  """Process 0's `scores` on every process. Each process scores in its own worker pool, against a wall-clock
+  timeout, so one process can time out where another does not; the loop's decisions (DAPO's groups, the
+  batch every process puts on the trainer's devices, the logged accuracy) must not differ."""
+  return hostcomm.broadcast(scores, src=0)
 
 
 # ---------------------------------------------------------------- keys
@@ -315,6 +323,6 @@ def evaluate_metrics(exp: Experiment, tag: int = 0) -> dict:
                            turns=exp.env, tag=etag)
   if exp.env is not None:
     returns, info = exp.env.take(etag, samples)
-    return {"eval/accuracy": float(np.mean(returns)), **{f"eval/{k}": v for k, v in info.items()}}
+    return agreed({"eval/accuracy": float(np.mean(returns)), **{f"eval/{k}": v for k, v in info.items()}})
   main = finish_scores(exp, meta, samples, [submit_scores(exp, meta, samples)], main_only=True)[1]
-  return {"eval/accuracy": float(np.mean(main))}
+  return agreed({"eval/accuracy": float(np.mean(main))})

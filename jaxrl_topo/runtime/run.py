@@ -126,7 +126,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     logging.info("held-out accuracy before RL: %.3f", before)
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
                             start_step=start, resume=start > 0) if _main() else None)
-    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced})
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
@@ -170,8 +170,9 @@ def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state,
 
 
 def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: float, workdir: str,
-           start: int = 0):
-  """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch})."""
+           start: int = 0, restored: set[int] = frozenset()):
+  """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
+  steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone)."""
   every = cfg.run.eval_every
   seen = {"data_state": None, "in_flight": []}
 
@@ -204,11 +205,12 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
     return bool(every) and done % every == 0 and done < cfg.run.steps
 
   spans_path = os.path.join(workdir, SPANS_FILE)
-  kept = [r for r in read_spans(workdir) if r["step"] < start] if start else []
+  kept = [r for r in read_spans(workdir) if r["step"] < start or (r["step"] in restored and r["phase"] in (
+      "rollout", "reward"))] if start else []
   if _main():  # one line per span; a resumed run keeps the spans of the steps it does not redo
     with open(spans_path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
-  t_origin = time.perf_counter() - (kept[-1]["end"] if start and kept else 0.0)
+  t_origin = time.perf_counter() - (max(r["end"] for r in kept) if kept else 0.0)
 
   def on_span(entry: dict) -> None:
     if _main():
@@ -311,11 +313,17 @@ def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | 
   trainer = carve(dataclasses.replace(cfg.topology, mode="colocated")).trainer
   model_cfg, _, params = hf_io.load_model(model_dir, trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   state = create_train_state(params, cfg.train_config, make_optimizer(cfg.optim), d_model=model_cfg.d_model)
-  with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:  # the run may be saving
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
-    state, _ = ckpt.restore(step, abstract_like(state))
+  # As in train: only the processes holding trainer devices read the checkpoint (the others hold no shard of it).
+  holders = frozenset(d.process_index for d in trainer.devices.flat)
+  if jax.process_index() in holders:
+    with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True, processes=holders) as ckpt:
+      step = ckpt.latest_step() if step is None else step  # (the run may be saving: read-only)
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
+      state, _ = ckpt.restore(step, abstract_like(state))
+  step = hostcomm.broadcast(step, src=min(holders))
+  if jax.process_index() not in holders:  # nothing of the policy here; process 0 (a holder: carve starts there) writes
+    return step
   policy = state.params["policy"]
   if cfg.lora.enabled:
     from jaxrl_topo.train.lora import merge_lora
