@@ -62,8 +62,10 @@ class SamplingConfig:
   def __post_init__(self):
     check_types("SamplingConfig", self)  # the fields' types: greedy=1 or top_k=2.0 is refused
     # `not x > 0` instead of `x <= 0` so that NaN is rejected too.
-    if not 0 <= self.temperature < math.inf or (not self.greedy and not self.temperature > 0):
-      raise ValueError(f"temperature must be finite, and > 0 unless greedy, got temperature={self.temperature}")
+    if not self.temperature < math.inf:  # inf, or NaN
+      raise ValueError(f"temperature must be finite, got temperature={self.temperature}")
+    if not self.temperature >= 0 or (not self.greedy and not self.temperature > 0):
+      raise ValueError(f"temperature must be > 0 unless greedy, got temperature={self.temperature}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be an int >= 0 (0 = off), got top_k={self.top_k!r}")
     if not 0.0 < self.top_p <= 1.0:
