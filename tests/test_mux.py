@@ -43,8 +43,9 @@ def _task(name: str) -> dict:
 
 
 JOBS = {"a": ("grpo_task", {"run.eval_every": 2}),  # one held-out evaluation (after step 1), in its turn
-        # b reads pages row by row (rollout.impl=fast): its stragglers merge from both shards (mux/migrate.py)
-        "b": ("dapo", {**_task("arithmetic"), "run.seed": 3, "rollout.impl": "fast"}),
+        # b reads pages row by row (rollout.impl=fast): its stragglers merge from both shards (mux/migrate.py); its
+        # data seed is one whose prompts leave stragglers in both shards at a migration (data seed 0 does not)
+        "b": ("dapo", {**_task("arithmetic"), "run.seed": 3, "data.seed": 1, "rollout.impl": "fast"}),
         "c": ("grpo_task", {**_task("countdown"), "run.seed": 5, "model.overrides": {"n_layers": 3}})}
 
 
