@@ -58,9 +58,7 @@ def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
          "eos_token_id": list(tok.eos_token_ids) or None}
   with open(os.path.join(out, "config.json")) as f:
     config = json.load(f)
-  config.update({k: v for k, v in ids.items() if v is not None})
-  for k in (k for k, v in ids.items() if v is None):
-    config.pop(k, None)
+  config = {k: v for k, v in config.items() if k not in ids} | {k: v for k, v in ids.items() if v is not None}
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   return copied

@@ -32,7 +32,8 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its c
 
 def preflight(cfg) -> None:
   """What can be checked without JAX devices, before the workdir is touched: the model directory,
-  the prompt files, the reward functions, and prompt + response against the model's position limit."""
+  the prompt files, the reward functions and environment, and prompt + response against the model's position
+  limit."""
   from jaxrl_topo.envs import env as env_lib
   from jaxrl_topo.envs import rewards
   from jaxrl_topo.runtime.workdir import check_positions

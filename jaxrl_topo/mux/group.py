@@ -28,7 +28,6 @@ own steps), its metrics equal that run's bit for bit under run.deterministic, ti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +35,6 @@ import threading
 import time
 import traceback
 
-import jax
 from absl import logging
 
 from jaxrl_topo.mux import migrate, resume, warm
@@ -178,7 +176,8 @@ class Group:
       self.admit()
     for jid, job in self.jobs.items():
       try:
-        with _precision(job.spec.cfg):  # the warm-up and every program built now, as the job's loop runs them
+        # the warm-up and every program built now, at the precision the job's loop runs them
+        with experiment_lib.matmul_precision(job.spec.cfg):
           resume.build_job(job, self.checkpoints)
       except Exception:  # noqa: BLE001  (isolation: reported with the job id)
         self._fail(jid, traceback.format_exc())
@@ -192,7 +191,7 @@ class Group:
     """The built jobs (on the pools `admit` checked) get their tail (and free-shard) engines warmed; state parked."""
     for job in built:
       job.tail = TailMigration(job.exp, self.rollout_pool, job.spec.job_id, self.mux.migrate_at)
-      with _precision(job.spec.cfg):
+      with experiment_lib.matmul_precision(job.spec.cfg):
         job.tail.warm()  # its tail engine's programs compile now, not in its first migration
     self._build_rest(built)
     for job in built:
@@ -212,7 +211,7 @@ class Group:
     for job in built if shards is not None else ():
       if not job.spec.cfg.run.deterministic:
         job.rest = migrate.sub_engine(job.exp.engine, shards)
-        with _precision(job.spec.cfg):
+        with experiment_lib.matmul_precision(job.spec.cfg):
           migrate.compile_engine(job.rest, job.exp.engine)
           if job.tail.tail is not None:
             migrate.compile_move(job.rest, job.tail.tail)
@@ -338,7 +337,7 @@ class Group:
   def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
     jid, cfg = job.spec.job_id, job.spec.cfg
     try:
-      with _precision(cfg):
+      with experiment_lib.matmul_precision(cfg):
         loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks))
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
       self._fail(jid, traceback.format_exc())
@@ -406,10 +405,3 @@ class Group:
     os.makedirs(self.workdir, exist_ok=True)
     with open(os.path.join(self.workdir, MUX_SPANS), "w") as f:
       f.writelines(json.dumps(s) + "\n" for s in sorted(self.spans, key=lambda s: s["start"]))
-
-
-def _precision(cfg):
-  """The job's model.matmul_precision for what runs inside (a solo run.train wraps its whole run the same way)."""
-  if cfg.model.matmul_precision == "default":
-    return contextlib.nullcontext()
-  return jax.default_matmul_precision(cfg.model.matmul_precision)

@@ -9,6 +9,7 @@ Every size is checked here, so a bad config fails before anything is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -77,6 +78,14 @@ class Experiment:
     self.rewards.close()
     if self.env is not None:
       self.env.pool.close()
+
+
+def matmul_precision(cfg: RunConfig):
+  """A context with the run's model.matmul_precision as JAX's default: every program traced inside takes it (a solo
+  run wraps its whole run, a mux group each job's build and loop)."""
+  if cfg.model.matmul_precision == "default":
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(cfg.model.matmul_precision)
 
 
 def model_dir_for(cfg: RunConfig, workdir: str) -> str:

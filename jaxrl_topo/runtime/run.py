@@ -60,9 +60,7 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   until the workdir, the devices and the meshes pass their checks; then identity.json and config.json (so
   `export(workdir, out)` reads the run back): a new run's at once, a resumed run's once its checkpoint has
   restored (a relaunch whose state does not fit the checkpoint leaves the run's record as it was)."""
-  if cfg.model.matmul_precision == "default":
-    return _train(cfg, workdir, progress=progress)
-  with jax.default_matmul_precision(cfg.model.matmul_precision):  # every program the run traces
+  with experiment_lib.matmul_precision(cfg):  # every program the run traces
     return _train(cfg, workdir, progress=progress)
 
 
