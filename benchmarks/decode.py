@@ -131,14 +131,23 @@ def seqs_fit(cfg, budget: float, prompt_len: int, median: int, sigma: float, pag
   return int(budget // (pages * page_size * per_tok)), dense
 
 
-def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY, read: str = "auto"):
+def paged_read(impl: str) -> tuple[str, int]:
+  """--impl's engine name -> (EngineConfig.impl, pallas_splits): "paged" -> auto, "paged:pallas-s3" -> pallas with
+  each row's page walk over 3 programs."""
+  read, _, splits = (impl.partition(":")[2] or "auto").partition("-s")
+  return read, int(splits or 0)
+
+
+def paged_runner(graphdef, cfg, params, prompts, lengths, args, batch: int, sampling=GREEDY, read: str = "paged"):
   """A callable running the whole workload once on one engine: (generated tokens, decode steps, engine stats).
-  `read`: the engine's paged decode read (EngineConfig.impl: auto (--impl=paged), or one of paged.IMPLS)."""
+  `read`: the engine's name in --impl (paged = auto, paged:R with R one of paged.IMPLS, paged:pallas-sN)."""
+  read, splits = paged_read(read)
   cap = int(max(lengths)) if args.workload == "fixed" else 8 * args.median_len
   ecfg = EngineConfig(n_slots=batch, page_size=args.page_size, max_len=args.prompt_len + cap, impl=read,
                       n_pages=batch * -(-(args.prompt_len + cap) // args.page_size), decode_chunk=args.decode_chunk,
                       max_chunk=args.max_chunk, sampling=sampling, eos_ids=(), overlap=not args.no_overlap,
-                      min_window_tokens=args.min_window_tokens, min_pack_rows=args.min_pack_rows)
+                      min_window_tokens=args.min_window_tokens, min_pack_rows=args.min_pack_rows,
+                      pallas_splits=splits)
   engine = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
   requests = [Request(p, n=1, max_new_tokens=int(n)) for p, n in zip(prompts, lengths, strict=True)]
 
@@ -237,7 +246,8 @@ def pool_sweep(graphdef, cfg, params, args, common, impls):
         max_len = -(-(ctx + K + 1) // args.page_size) * args.page_size
         if B * max_len // args.page_size <= n_pages:
           ecfg = EngineConfig(n_slots=B, page_size=args.page_size, n_pages=n_pages, max_len=max_len, decode_chunk=K,
-                              sampling=SAMPLED, eos_ids=(), min_bucket=ctx, impl=impl.partition(":")[2] or "auto")
+                              sampling=SAMPLED, eos_ids=(), min_bucket=ctx, impl=paged_read(impl)[0],
+                              pallas_splits=paged_read(impl)[1])
           engines[(impl, n_pages, ctx)] = RolloutEngine(graphdef, cfg, params, ecfg, seed=args.seed)
   walls, inserts = {key: [] for key in engines}, {key: [] for key in engines}
   for rep in range(args.repeats + 1):  # round 0 compiles
@@ -272,7 +282,8 @@ def make_parser(on_gpu: bool) -> argparse.ArgumentParser:
   parser.add_argument("--impl", default="dense,paged" if on_gpu else "dense,paged,paged:bucketed",
                       help="comma-separated: dense, paged (its default read), paged:READ with READ one of "
                       + ", ".join(IMPLS) + " (e.g. paged:pallas,paged:bucketed: the kernel path and the XLA path "
-                      "side by side); default dense,paged, and on CPU paged:bucketed too")
+                      "side by side), or paged:pallas-sN (the kernel with each row's pages over N programs); "
+                      "default dense,paged, and on CPU paged:bucketed too")
   parser.add_argument("--median_len", type=int, default=64, help="median completion length (cap = 8 x median)")
   parser.add_argument("--sigma", type=float, default=1.0, help="log-sd of the lognormal completion lengths")
   parser.add_argument("--prompt_len", type=int, default=32, help="prompt tokens per sequence")
@@ -309,7 +320,8 @@ def main():
   args = parser.parse_args()
   impls = args.impl.split(",")
   known = {"dense", "paged", *(f"paged:{r}" for r in IMPLS)}
-  if not set(impls) <= known:
+  split_kernel = {i for i in impls if i.startswith("paged:pallas-s") and i[len("paged:pallas-s"):].isdigit()}
+  if not set(impls) - split_kernel <= known:
     parser.error(f"--impl={args.impl}: expected a comma-separated subset of {sorted(known)}")
   fixed = args.workload in ("fixed", "pool")
   if args.profile:
@@ -364,7 +376,7 @@ def main():
     prompts = rng.integers(0, cfg.vocab_size, (n_seqs, args.prompt_len)).tolist()
     kv_useful = useful_kv_tokens(lengths, args.prompt_len) * per_tok
     work = (graphdef, cfg, params, prompts, lengths, args, batch, sampling)
-    runs = {impl: dense_runner(*work) if impl == "dense" else paged_runner(*work, read=impl.partition(":")[2] or "auto")
+    runs = {impl: dense_runner(*work) if impl == "dense" else paged_runner(*work, read=impl)
             for impl in impls}
     timings = timed(runs, args.repeats)
     rows = {impl: timings[impl][2][0] / timings[impl][0] for impl in impls}  # tokens / median wall

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU decode runs of issue 12 in one go, each in its own process with its own time limit, every output under
-# OUT (default /tmp/gpu_decode_out; the device machine sets OUT): the fixed-length batch-256 run with a per-step
+# OUT (default /tmp/gpu_decode_out; the device machine sets OUT), and all of them again in ARCHIVE (default
+# OUT/all.tgz) after each run (the device tool returns at most 8 files: there, OUT=/tmp/o ARCHIVE=$OUT/all.tgz): the fixed-length batch-256 run with a per-step
 # kernel trace (decode.py --profile), then the leads RESULTS.md names (all GEMMs through cuBLAS; rbg random bits),
-# each beside dense in the same process.
+# each beside dense in the same process. Further runs: `splits` (the kernel at 1, 2 and 3 programs a row beside
+# dense), `fast` and `bucketed` (the XLA reads, each beside the kernel), `check`
+# (pallas_check.py's kernel correctness and one-layer read sweep) and `train` (train_step.py's MFU target).
 # JAX_LOG_COMPILES=1 logs every compile, so a run that stalls shows where (runs once 'stalled' past 90-120 s: the
 # model's random init compiled for 48-62 s; decode.py now builds it op by op);
 # a run past its limit gets SIGABRT first, and PYTHONFAULTHANDLER=1 then writes every thread's Python stack to its log.
@@ -18,6 +21,7 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_decode_out}
 PRESET=${PRESET:-qwen2.5-0.5b} DTYPE=${DTYPE:-bfloat16} BATCH=${BATCH:-256} PROMPT=${PROMPT:-128} NEW=${NEW:-256}
 IMPL=${IMPL:-dense,paged:pallas} LIMIT=${LIMIT:-150}  # LIMIT scales each run's own limit (150 = as written)
+ARCHIVE=${ARCHIVE:-$OUT/all.tgz}  # every output so far, rewritten after each run
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1
 "$PYTHON" -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" > "$OUT/versions.txt" 2>&1
@@ -53,8 +57,19 @@ for r in ${RUNS:-base window cublas rbg}; do
     cublas) run cublas 90 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false -- ;;
     rbg) run rbg 90 JAX_DEFAULT_PRNG_IMPL=rbg -- ;;
     rbg0) run rbg0 80 JAX_DEFAULT_PRNG_IMPL=rbg XLA_FLAGS=$noat -- ;;
-    *) echo "RUNS: unknown run '$r' (base plain window window0 cublas rbg rbg0)"; exit 2 ;;
+    splits) run splits 170 -- --impl=dense,paged:pallas,paged:pallas-s2,paged:pallas-s3 ;;
+    fast) run fast 110 -- --impl=paged:pallas,paged:fast ;;
+    bucketed) run bucketed 110 -- --impl=paged:pallas,paged:bucketed ;;
+    check) timeout -s ABRT -k 20 $((70 * LIMIT / 150)) "$PYTHON" benchmarks/pallas_check.py --checks=kernel,read \
+             --batches="$BATCH" --median_ctx=256 > "$OUT/check.jsonl" 2> "$OUT/check.log"
+           echo "check: rc $?" ;;
+    train) timeout -s ABRT -k 20 $((130 * LIMIT / 150)) "$PYTHON" benchmarks/train_step.py "--preset=$PRESET" \
+             --seq_len=2048 --batch=16 --n_micro=4 "--dtype=$DTYPE" --remat --steps=5 ${TRAIN_ARGS:-} \
+             > "$OUT/train.jsonl" 2> "$OUT/train.log"
+           echo "train: rc $?" ;;
+    *) echo "RUNS: unknown run '$r' (base plain window window0 cublas rbg rbg0 splits fast bucketed check train)"; exit 2 ;;
   esac
+  tar czf "$OUT.tgz.part" -C "$OUT" --exclude=all.tgz . && mv "$OUT.tgz.part" "$ARCHIVE"
   [ -s "$OUT/dmon.txt" ] && echo "  GPU load (sm %) over the run's last 20 s: $(tail -10 "$OUT/dmon.txt" | awk '{printf "%s ", $3}')"
 done
 kill %1 2> /dev/null
@@ -64,7 +79,20 @@ import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
   for line in open(f):
     r = json.loads(line) if line.startswith("{") else {}
+    name = os.path.basename(f)[:-6]
     if r.get("bench") == "decode":
-      print(f"{os.path.basename(f)[:-6]:8s} {r['impl']:14s} {r['tokens_per_s']:9.0f} tok/s  step {1e3 * r['step_s']:.2f} ms"
-            f"  MBU {r['mbu']:.3f}  vs dense {r.get('vs_dense', 1.0):.2f}  copy {r['copy_gbps']:.0f} GB/s  {r['device']}")
+      vs = f"{r['vs_dense']:.2f}" if "vs_dense" in r else "-"
+      print(f"{name:8s} {r['impl']:16s} {r['tokens_per_s']:9.0f} tok/s  step {1e3 * r['step_s']:.2f} ms"
+            f"  MBU {r['mbu']:.3f}  vs dense {vs}  copy {r['copy_gbps']:.0f} GB/s  {r['device']}")
+    elif r.get("check") == "kernel":
+      print(f"{name:8s} kernel N{r['N']} K{r['K']} H{r['H']} S{r['S']} {r['dtype']} splits {r['splits']}: "
+            f"max err {r['max_abs_err']:.2g}, idle row zero {r['idle_row_zero']}")
+    elif r.get("check") == "read":
+      print(f"{name:8s} read {r['impl']:12s} {r['us']:7.1f} us  {r['useful_gbps']:6.0f} GB/s  "
+            f"diff {r['max_abs_diff_vs_bucketed']:.2g}")
+    elif "error" in r:
+      print(f"{name:8s} error in {r.get('check')}: {r['error'][:300]}")
+    elif "mfu" in r:
+      print(f"{name:8s} train step {r['step_s']:.3f} s  {r['tokens_per_s']:.0f} tok/s  MFU {r['mfu']}  "
+            f"compile {r['compile_s']:.0f} s  loss {r['loss']:.4f}  {r['device']}")
 PY

@@ -5,13 +5,14 @@
   python benchmarks/pallas_check.py --checks=kernel,engine      # some checks only (kernel, engine, parts, read)
 
 JSON lines out, one per check:
-  kernel   max |kernel - float64 reference| over ragged rows and an idle one, per (N, K, H, S, dtype);
+  kernel   max |kernel - float64 reference| over ragged rows and an idle one, per (N, K, H, S, dtype, splits);
            the idle row must be exactly 0.
   read     one layer's decode read at the Qwen2.5-0.5B shape (14 query / 2 KV heads, head_dim 64, pages of 16),
            bf16 pool, B rows of lognormal contexts (median `--median_ctx`): median µs of the bucketed XLA read and
            of the kernel at 1, 2, 4 and 8 pages per loop trip (`pallas:C`, 2 warps a program) and at the
-           default pages per trip with 1, 4 (Pallas' own default) and 8 warps (`pallas:C:wN`), and GB/s of the
-           K/V bytes the rows actually hold (what an ideal read touches).
+           default pages per trip with 1, 4 (Pallas' own default) and 8 warps (`pallas:C:wN`) or each row's
+           pages over 2, 3 and 6 programs (`pallas:C:sN`, merged in XLA), and GB/s of the K/V bytes the rows
+           actually hold (what an ideal read touches).
   engine   RolloutEngine(impl=pallas / bucketed / auto) greedy on the tiny preset (fp32) against generate_dense,
            at matmul precision "highest" (log-probs within 1e-5 expected) and "default" (TF32 on a GPU): tokens
            equal, max |Δ log-prob|, and the read "auto" resolved to.
@@ -49,6 +50,7 @@ from jaxrl_topo.rollout.sampling import SamplingConfig, sample_tokens, sequence_
 
 PAGES_PER_TRIP_SWEEP = (1, 2, 4, 8)
 NUM_WARPS_SWEEP = (1, 4, 8)  # at the default pages per trip, beside the kernel's default warps (2)
+SPLITS_SWEEP = (2, 3, 6)  # programs per row (decode_attention's splits), at the default pages and warps
 
 
 def emit(**row):
@@ -93,15 +95,15 @@ def _as(x, dtype):
 
 def check_kernel(rng):
   for (N, K, H, S) in [(14, 2, 64, 16), (4, 2, 16, 16), (32, 8, 128, 16), (16, 16, 64, 32)]:
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype, splits in ((jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 3)):
       lengths = np.array([1, 17, 200, 0, 33, 64, 5, 129])
       q, k, v, table = ragged_pool(rng, lengths, N, K, H, S)
       c = functools.partial(_as, dtype=dtype)
       got = decode_attention(c(q), c(k), c(v), jnp.asarray(table), jnp.asarray(lengths - 1, jnp.int32),
-                             layer=1, page_size=S)
+                             layer=1, page_size=S, splits=splits)
       got = np.asarray(got.astype(jnp.float32))
       want = numpy_read(*(np.asarray(c(x).astype(jnp.float32)) for x in (q, k[1], v[1])), table, lengths - 1)
-      emit(check="kernel", N=N, K=K, H=H, S=S, dtype=jnp.dtype(dtype).name,
+      emit(check="kernel", N=N, K=K, H=H, S=S, dtype=jnp.dtype(dtype).name, splits=splits,
            max_abs_err=float(np.abs(got - want).max()), idle_row_zero=bool((got[3] == 0).all()),
            finite=bool(np.isfinite(got).all()))
 
@@ -129,6 +131,8 @@ def check_read(rng, batch, median_ctx):
   C = default_pages_per_trip(S, H)
   for w in NUM_WARPS_SWEEP:
     reads[f"pallas:{C}:w{w}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, num_warps=w))
+  for n in SPLITS_SWEEP:
+    reads[f"pallas:{C}:s{n}"] = jax.jit(functools.partial(decode_attention, layer=0, page_size=S, splits=n))
   want = xla(q, k, v, table, pos).astype(jnp.float32)
   useful = float(lengths.sum()) * 2 * K * H * 2  # K and V, bf16
   for name, f in reads.items():

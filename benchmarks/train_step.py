@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_topo.models.config import num_params
-from jaxrl_topo.models.model import abstract_model, init_params
+from jaxrl_topo.models.model import abstract_model, init_params, param_shardings
 from jaxrl_topo.models.presets import PRESETS, get_preset
 from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding, make_mesh
 from jaxrl_topo.train.batch import Completion, build_batch
@@ -82,8 +82,12 @@ def build(args):
   mesh = make_mesh({"fsdp": jax.device_count()})
   train_cfg = TrainConfig(loss=LossConfig(group_size=GROUP, advantage="grpo"))
   tx = make_optimizer(train_cfg.optim)
-  _, params = init_params(cfg, jax.random.key(0), mesh, TRAIN_RULES)
-  graphdef, _ = abstract_model(cfg, ActivationSharding(mesh, TRAIN_RULES), remat=args.remat)  # honours remat
+  graphdef, abstract = abstract_model(cfg, ActivationSharding(mesh, TRAIN_RULES), remat=args.remat)  # honours remat
+  if jax.device_count() == 1:  # op by op: one init program for Qwen2.5-0.5B compiled for ~50 s on an H200
+    _, params = init_params(cfg, jax.random.key(0), compiled=False)
+    params = jax.device_put(params, param_shardings(abstract, mesh, TRAIN_RULES))
+  else:
+    _, params = init_params(cfg, jax.random.key(0), mesh, TRAIN_RULES)
   state = create_train_state(params, train_cfg, tx)
   step = make_train_step(model_fns(graphdef), train_cfg, tx, state, mesh=mesh, rules=TRAIN_RULES)
   batch, resp_len = full_length_batch(cfg, args.batch, args.seq_len, args.n_micro)

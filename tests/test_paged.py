@@ -356,12 +356,14 @@ def test_auto_read_raises_our_bugs_and_names_why_it_falls_back(monkeypatch, capl
   assert "differs from the XLA read" in caplog.text
 
 
-@pytest.mark.parametrize("dtype, atol, pages_per_trip", [(jnp.float32, 2e-5, None), (jnp.bfloat16, 3e-2, None),
-                                                         (jnp.float32, 2e-5, 1), (jnp.float32, 2e-5, 3)])
-def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, pages_per_trip):
+@pytest.mark.parametrize("dtype, atol, pages_per_trip, splits", [
+    (jnp.float32, 2e-5, None, None), (jnp.bfloat16, 3e-2, None, None), (jnp.float32, 2e-5, 1, None),
+    (jnp.float32, 2e-5, 3, None), (jnp.float32, 2e-5, 1, 3), (jnp.bfloat16, 3e-2, 2, 2)])
+def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, pages_per_trip, splits):
   """Qwen2.5's grouping (14 query heads over 2 KV heads, G = 7, run as 16 padded rows), ragged rows and an
   idle one, in the pool's dtype: fp32 at full precision, bf16 operands with fp32 accumulation. Pages per
-  loop trip: the default (8 here), 1, and 3 (rows of 5 table entries: the last trip runs past the table)."""
+  loop trip: the default (8 here), 1, and 3 (rows of 5 table entries: the last trip runs past the table).
+  Split rows: 5 trips over 3 programs (row 1's 3 trips leave its last program none), 3 trips over 2."""
   from jaxrl_topo.rollout.pallas_paged import decode_attention
 
   rng = np.random.default_rng(7)
@@ -373,7 +375,7 @@ def test_pallas_kernel_pads_an_odd_group_and_reads_the_pool_dtype(dtype, atol, p
   q = rng.normal(size=(4, N, H)).astype(np.float32)
   cast = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
   got = decode_attention(cast(q), cast(k_pool), cast(v_pool), jnp.asarray(table), jnp.asarray(lengths - 1, jnp.int32),
-                         layer=1, page_size=S, pages_per_trip=pages_per_trip)
+                         layer=1, page_size=S, pages_per_trip=pages_per_trip, splits=splits)
   assert got.dtype == dtype and got.shape == (4, N, H)
   exact = lambda x: np.asarray(cast(x).astype(jnp.float32), np.float64)  # noqa: E731  (the inputs the kernel saw)
   want = _numpy_attention(exact(q)[:3], exact(k_pool)[1], exact(v_pool)[1], table[:3], lengths[:3] - 1)

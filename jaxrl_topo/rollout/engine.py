@@ -103,7 +103,8 @@ class RolloutEngine:
     def zeros():
       cache = PagedKVCache.zeros(self.cfg, e.n_pages, e.page_size, e.max_pages_per_seq, B, impl=self.impl,
                                  dtype=jnp.dtype(e.kv_dtype) if e.kv_dtype else None,
-                                 fold_heads=self._fold_heads, window_min_pages=e.window_min_pages)
+                                 fold_heads=self._fold_heads, window_min_pages=e.window_min_pages,
+                                 pallas_splits=e.pallas_splits)
       return device.constrain(DecodeState.idle(cache, B), self.layout)
     return jax.jit(zeros) if self.layout is not None else zeros
 

@@ -30,6 +30,9 @@ class EngineConfig:
   # impl "window": no window (or read) narrower than this many tokens, so a config compiles fewer window programs
   # (one per width: at 4-token pages and 64-token rows, one instead of five); 0 = bucketed's widths from 1 page
   min_window_tokens: int = 64
+  # impl "pallas": programs each row's page walk is divided over (pallas_paged.decode_attention's splits); 0 = the
+  # kernel's default
+  pallas_splits: int = 0
   sampling: SamplingConfig = SamplingConfig(greedy=True)
   eos_ids: tuple[int, ...] = ()  # one int is read as one id; a list becomes a tuple
   pad_id: int = 0
@@ -56,6 +59,8 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
     if self.min_window_tokens < 0:
       raise ValueError(f"EngineConfig.min_window_tokens={self.min_window_tokens} must be >= 0")
+    if self.pallas_splits < 0:
+      raise ValueError(f"EngineConfig.pallas_splits={self.pallas_splits} must be >= 0 (0 = the kernel's default)")
     if self.min_pack_rows < 2:
       raise ValueError(f"EngineConfig.min_pack_rows={self.min_pack_rows} must be >= 2")
     if self.tail_chunk < 0 or self.max_chunk < 0:

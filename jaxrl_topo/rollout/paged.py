@@ -104,11 +104,13 @@ class PagedKVCache:
   # window: no read narrower than this many pages (a power of two, or M): windows of fewer never open, so a
   # config compiles fewer window programs (EngineConfig.min_window_tokens); 1 = bucketed's widths
   window_min_pages: int = struct.field(pytree_node=False, default=1)
+  # pallas: programs a row's page walk is divided over (pallas_paged.decode_attention); 0 = the kernel's default
+  pallas_splits: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, max_pages_per_seq: int, batch: int,
             dtype=None, impl: str = "fast", block_tokens: int = 128, fold_heads: bool = False,
-            window_min_pages: int = 1) -> PagedKVCache:
+            window_min_pages: int = 1, pallas_splits: int = 0) -> PagedKVCache:
     """An all-zero pool and an all -1 table (the host allocator fills `table_BM`)."""
     if impl not in IMPLS:
       raise ValueError(f"PagedKVCache impl={impl!r}; expected one of {IMPLS}")
@@ -119,7 +121,8 @@ class PagedKVCache:
     dtype = dtype or jnp.dtype(cfg.dtype)
     return cls(k_LPSKH=jnp.zeros(shape, dtype), v_LPSKH=jnp.zeros(shape, dtype),
                table_BM=jnp.full((batch, max_pages_per_seq), -1, jnp.int32), page_size=page_size, impl=impl,
-               block_tokens=block_tokens, fold_heads=fold_heads, window_min_pages=window_min_pages)
+               block_tokens=block_tokens, fold_heads=fold_heads, window_min_pages=window_min_pages,
+               pallas_splits=pallas_splits)
 
   @property
   def n_pages(self) -> int:
@@ -172,7 +175,7 @@ class PagedKVCache:
       from jaxrl_topo.rollout.pallas_paged import decode_attention  # Pallas imports only when used
 
       out_BNH = decode_attention(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, self.table_BM, positions_BT[:, 0],
-                                 layer=layer, page_size=self.page_size)
+                                 layer=layer, page_size=self.page_size, splits=self.pallas_splits or None)
       return out_BNH[:, None], new
     if self.impl == "bucketed" and q_BTNH.shape[1] == 1:
       out_BNH = _decode_bucketed(q_BTNH[:, 0], new.k_LPSKH, new.v_LPSKH, layer, self.table_BM, positions_BT[:, 0],

@@ -42,6 +42,8 @@ _MASKED = -1e30
 # size; that scaling is a rule, not a measurement.
 TRIP_ELEMENTS = 4 * 16 * 64
 NUM_WARPS = 2
+# Programs a row's trips are divided over (decode_attention's `splits`); 1 = one program walks the whole row.
+SPLITS = 1
 
 
 def supported(cfg, page_size: int, backend: str | None = None) -> bool:
@@ -65,7 +67,8 @@ def padded_group(G: int) -> int:
   return max(16, 1 << (G - 1).bit_length())
 
 
-def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_size: int, pages_per_trip: int):
+def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, *out_refs, layer: int, page_size: int, pages_per_trip: int,
+            splits: int):
   b, kh = pl.program_id(0), pl.program_id(1)
   S, C, M = page_size, pages_per_trip, table_ref.shape[1]
   pos = pos_ref[b]
@@ -77,6 +80,11 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
   q_GH = plgpu.load(q_ref.at[b, kh, pl.ds(0, Gp), :], mask=rows[:, None],
                      other=jnp.zeros((), q_ref.dtype))
   n_trips = jnp.where(pos >= 0, (pos // S) // C + 1, 0)
+  # split s of `splits` walks trips [s * per, (s + 1) * per) of the row's (at most ceil(M / C)); past n_trips, none
+  max_trips = -(-M // C)
+  per = -(-max_trips // splits)
+  lo = 0 if splits == 1 else pl.program_id(2) * per
+  hi = n_trips if splits == 1 else jnp.minimum(n_trips, lo + per)
 
   def trip(j, carry):
     # C pages per trip, unrolled: their table entries and K/V loads are independent, so the GPU has C pages'
@@ -100,9 +108,26 @@ def _kernel(table_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, layer: int, page_
     return m_new_G, l_new_G, acc_GH
 
   init = (jnp.full((Gp,), _MASKED, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, H), jnp.float32))
-  _, l_G, acc_GH = jax.lax.fori_loop(0, n_trips, trip, init)
-  out_GH = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(o_ref.dtype)
-  plgpu.store(o_ref.at[b, kh, pl.ds(0, Gp), :], out_GH, mask=rows[:, None])
+  m_G, l_G, acc_GH = jax.lax.fori_loop(lo, hi, trip, init)
+  if splits == 1:
+    out_GH = (acc_GH / jnp.where(l_G > 0, l_G, 1.0)[:, None]).astype(out_refs[0].dtype)
+    plgpu.store(out_refs[0].at[b, kh, pl.ds(0, Gp), :], out_GH, mask=rows[:, None])
+  else:  # this split's running max, sum and unnormalised values, merged across splits by `_merge_splits`
+    m_ref, l_ref, acc_ref = out_refs
+    s = pl.program_id(2)
+    plgpu.store(m_ref.at[b, kh, s, pl.ds(0, Gp)], m_G, mask=rows)
+    plgpu.store(l_ref.at[b, kh, s, pl.ds(0, Gp)], l_G, mask=rows)
+    plgpu.store(acc_ref.at[b, kh, s, pl.ds(0, Gp), :], acc_GH, mask=rows[:, None])
+
+
+def _merge_splits(m_BKsG, l_BKsG, acc_BKsGH):
+  """The splits' partial softmaxes as one (flash-decoding's merge): out_BKGH, fp32. A split that made no trips
+  holds m = _MASKED, l = 0, acc = 0 and weighs exp(_MASKED - max) = 0; an idle row's every split does, giving 0."""
+  m_BK1G = m_BKsG.max(axis=2, keepdims=True)
+  w_BKsG = jnp.exp(m_BKsG - m_BK1G)
+  l_BKG = (w_BKsG * l_BKsG).sum(axis=2)
+  acc_BKGH = (w_BKsG[..., None] * acc_BKsGH).sum(axis=2)
+  return acc_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
 
 
 def _dot(a, b):
@@ -111,28 +136,40 @@ def _dot(a, b):
                  precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret", "pages_per_trip", "num_warps",
+                                             "splits"))
 def decode_attention(q_BNH, k_LPSKH, v_LPSKH, table_BM, pos_B, *, layer: int, page_size: int,
-                     interpret: bool | None = None, pages_per_trip: int | None = None, num_warps: int | None = None):
+                     interpret: bool | None = None, pages_per_trip: int | None = None, num_warps: int | None = None,
+                     splits: int | None = None):
   """out_BNH: each row's query attending over its positions 0..pos_B (pos_B < 0: zeros). pages_per_trip and
   num_warps (Triton's warps per program) default to the measured best above; benchmarks/pallas_check.py sweeps
-  both."""
+  both. `splits` > 1 divides each row's trips over that many programs (grid (B, K, splits)), merged afterwards
+  in XLA: more programs in flight, each with fewer dependent trips (flash-decoding)."""
   B, N, H = q_BNH.shape
   K = k_LPSKH.shape[3]
   pages_per_trip = pages_per_trip or default_pages_per_trip(page_size, H)
   num_warps = num_warps or NUM_WARPS
+  splits = max(1, min(splits or SPLITS, -(-table_BM.shape[1] // pages_per_trip)))  # no more splits than trips
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  q_BKGH = q_BNH.reshape(B, K, N // K, H)  # query head n = k * G + g (GQA's grouping)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda b, k: (0,) * x.ndim)  # noqa: E731
-  out_BKGH = pl.pallas_call(
-      functools.partial(_kernel, layer=layer, page_size=page_size, pages_per_trip=pages_per_trip),
-      out_shape=jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype),
-      grid=(B, K),
+  G = N // K
+  q_BKGH = q_BNH.reshape(B, K, G, H)  # query head n = k * G + g (GQA's grouping)
+  grid = (B, K) if splits == 1 else (B, K, splits)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda *ids: (0,) * len(x.shape))  # noqa: E731
+  if splits == 1:
+    out_shape = jax.ShapeDtypeStruct(q_BKGH.shape, q_BNH.dtype)
+  else:
+    out_shape = (jax.ShapeDtypeStruct((B, K, splits, G), jnp.float32),) * 2 + (
+        jax.ShapeDtypeStruct((B, K, splits, G, H), jnp.float32),)
+  out = pl.pallas_call(
+      functools.partial(_kernel, layer=layer, page_size=page_size, pages_per_trip=pages_per_trip, splits=splits),
+      out_shape=out_shape,
+      grid=grid,
       in_specs=[whole(table_BM), whole(pos_B), whole(q_BKGH), whole(k_LPSKH), whole(v_LPSKH)],
-      out_specs=whole(q_BKGH),
+      out_specs=whole(out_shape) if splits == 1 else tuple(whole(o) for o in out_shape),
       interpret=interpret,
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
   )(table_BM, pos_B, q_BKGH, k_LPSKH, v_LPSKH)
+  out_BKGH = out if splits == 1 else _merge_splits(*out).astype(q_BNH.dtype)
   return out_BKGH.reshape(B, N, H)
 
 
