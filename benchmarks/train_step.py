@@ -96,6 +96,17 @@ def build(args):
   return cfg, state, step, batch, resp_len
 
 
+def profile_step(compiled, state, batch, trace_dir: str, common: dict):
+  """One more step under jax.profiler, summarized (benchmarks/trace_summary.py): a 'train_profile' line."""
+  from trace_summary import summarize  # noqa: PLC0415 (only --profile needs it; this script's folder is on sys.path)
+
+  t0 = time.perf_counter()
+  with jax.profiler.trace(trace_dir):
+    jax.block_until_ready(compiled(state, batch))
+  print(json.dumps({"bench": "train_profile", "traced_wall_s": time.perf_counter() - t0,
+                    **summarize(trace_dir, top=40), **common}), flush=True)
+
+
 def run(args) -> dict:
   """AOT compile, warm up, time; the JSON record."""
   cfg, state, step, batch, resp_len = build(args)
@@ -122,6 +133,8 @@ def run(args) -> dict:
   jax.block_until_ready(state)
   step_s = (time.perf_counter() - t0) / args.steps
 
+  if args.profile:
+    profile_step(compiled, state, batch, args.profile, common)
   flops = flops_per_step(cfg, args.batch, args.seq_len, resp_len)
   peak = peak_flops(args.peak_tflops, common["device"])
   return {
@@ -146,6 +159,9 @@ def main():
                       help="training attention (models/attention.py)")
   parser.add_argument("--model_overrides", default="{}", help='ModelConfig fields as JSON, e.g. \'{"n_layers": 4}\'')
   parser.add_argument("--compile_only", action="store_true", help="stop after AOT compilation (memory check)")
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="trace one more step into DIR (jax.profiler) and print a 'train_profile' line: device time "
+                      "by line and the top kernels (benchmarks/trace_summary.py; meant for a GPU)")
   parser.add_argument("--peak_tflops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
   args = parser.parse_args()
   if args.batch % GROUP or args.batch % args.n_micro:

@@ -33,6 +33,9 @@ CASES = {
                 {"layout", "row_tokens"}),
     "train_step": ("train_step.py", ["--seq_len=32", "--batch=8", "--n_micro=1", "--steps=1", "--warmup=0"], 8,
                    {"preset", "seq_len"}),
+    # one device: the op-by-op init; --profile: the traced step's summary line
+    "train_step_profile": ("train_step.py", ["--seq_len=32", "--batch=8", "--n_micro=1", "--steps=1", "--warmup=0",
+                                             "--profile={tmp}/trace"], 1, {"bench", "planes"}),
     "weight_sync": ("weight_sync.py", ["--n_params=1e5", "--buckets_mib=1", "--repeats=1"], 8, {"mode"}),
     "logprob_memory": ("logprob_memory.py", ["--tokens=256", "--chunks=64"], 1, {"impl", "chunk", "tokens"}),
     "pallas_check": ("pallas_check.py", ["--checks=kernel"], 1, {"bench", "check"}),
