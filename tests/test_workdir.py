@@ -92,8 +92,14 @@ def test_bad_data_is_refused_with_nothing_written(tmp_path, monkeypatch, overrid
 
 
 def test_a_group_larger_than_the_slots_is_a_config_error():
-  with pytest.raises(ValueError, match=r"rl.group_size=16 > rollout.n_slots=8: a group is generated at once"):
+  with pytest.raises(ValueError, match=r"rl.group_size=16 > rollout.n_slots=8 / .*\(1\): a group is generated at"):
     from_config_dict(_config(**{"rollout.n_slots": 8}))
+  # 16 slots over 8 data shards hold 2 each: a group of 4 once passed here and failed after the warm-up, at the
+  # first rollout ("request 0 does not fit the empty pool")
+  shards = {"topology.rollout.data": 8, "topology.trainer.fsdp": 8, "rollout.n_slots": 16, "rollout.n_pages": 64}
+  with pytest.raises(ValueError, match=r"rl.group_size=4 > rollout.n_slots=16 / .*\(8\): .* on one data shard"):
+    from_config_dict(_config(**shards, **{"rl.group_size": 4}))
+  from_config_dict(_config(**shards, **{"rl.group_size": 2}))
 
 
 def test_identity_is_what_json_reads_back(tmp_path):

@@ -335,9 +335,9 @@ class RunConfig:
       if getattr(self.rollout, name) % data:
         raise ValueError(f"rollout.{name}={getattr(self.rollout, name)} must be a multiple of the rollout mesh's "
                          f"data axis ({data}): each data shard owns an equal share")
-    if self.rl.group_size > self.rollout.n_slots:
-      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots}: a group is "
-                       "generated at once")
+    if self.rl.group_size > self.rollout.n_slots // data:
+      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots} / the rollout "
+                       f"mesh's data axis ({data}): a group is generated at once, on one data shard's slots")
     budget, row = self.train.max_tokens_per_row, self.data.max_prompt_len + self.rollout.max_new_tokens
     if budget and budget < row:
       raise ValueError(f"train.max_tokens_per_row={budget} < data.max_prompt_len + rollout.max_new_tokens = {row}: "
