@@ -19,8 +19,9 @@ from jaxrl_topo.models.model import abstract_model
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import run as run_lib
-from jaxrl_topo.runtime.config import TrainSpec, config_from_file, from_config_dict
+from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 from jaxrl_topo.runtime.metrics import read_metrics
+from jaxrl_topo.runtime.sections import TrainSpec
 from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding
 from jaxrl_topo.train.optim import make_optimizer
 from jaxrl_topo.train.policy import model_fns

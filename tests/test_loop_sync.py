@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.runtime import experiment, loop
-from jaxrl_topo.runtime.config import SyncSpec, from_config_dict
+from jaxrl_topo.runtime.config import from_config_dict
+from jaxrl_topo.runtime.sections import SyncSpec
 from tests.test_rl_loop import TOPO, load_config
 
 KIB = 2**10

@@ -414,7 +414,7 @@ def test_a_reward_model_on_its_own_devices_adds_its_score(tmp_path):
 
 def test_model_as_the_main_reward_is_validated_before_anything_runs(tmp_path):
   from jaxrl_topo.runtime import experiment
-  from jaxrl_topo.runtime.config import RewardSpec
+  from jaxrl_topo.runtime.sections import RewardSpec
 
   with pytest.raises(ValueError, match="needs reward.model_dir"):
     RewardSpec(fn="model")
@@ -484,7 +484,7 @@ def test_every_process_takes_process_0s_scores(monkeypatch):
   import types
 
   from jaxrl_topo.runtime import rollout_side
-  from jaxrl_topo.runtime.config import RewardSpec
+  from jaxrl_topo.runtime.sections import RewardSpec
 
   class Pool:
     def submit(self, prompts, texts, meta):

@@ -35,7 +35,8 @@ from jaxrl_topo.rollout.dense import DecodeConfig
 from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
 from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.config import MODEL_REWARD, RunConfig
+from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.runtime.sections import MODEL_REWARD
 from jaxrl_topo.runtime.sync import WeightSync
 from jaxrl_topo.runtime.workdir import check_model
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table

@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.runtime.config import MODEL_REWARD
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.runtime.sections import MODEL_REWARD
 from jaxrl_topo.topology import hostcomm
 
 _ROLLOUT_TAG, _EVAL_TAG = 1, 2  # fold_in tags of the sampling keys

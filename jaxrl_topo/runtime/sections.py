@@ -1,0 +1,280 @@
+"""The run config's sections as typed, frozen dataclasses (runtime/config.py assembles them into RunConfig):
+each validates its own fields in `__post_init__`; rules that span sections live in RunConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxrl_topo.rollout.engine_config import KV_DTYPES, UPDATE_POLICIES
+from jaxrl_topo.rollout.paged import IMPLS
+from jaxrl_topo.rollout.sampling import SamplingConfig
+from jaxrl_topo.runtime.dataclass_io import check_ranges
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+  """A preset shape with random init (`preset`, plus `overrides` of ModelConfig fields) or `hf_dir`."""
+
+  preset: str = "tiny"
+  hf_dir: str | None = None  # local HF directory: weights, config.json, tokenizer.json
+  dtype: str = "float32"  # compute dtype; params stay fp32 for training
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields over the preset
+  init_seed: int = 0
+  attention: str = "flash"  # training attention (models/attention.py): flash | reference | xla | cudnn
+  attn_block: int = 128  # flash: tokens per tile
+  # jax.default_matmul_precision for every program of the run (train, logprobs, rollout): "default" keeps
+  # the backend's (TF32 for fp32 matmuls on recent NVIDIA GPUs, full fp32 on CPU); "highest" = full fp32
+  # everywhere (the tests); "high" = bf16_3x. The sampler-vs-trainer log-prob gap is logged every step.
+  matmul_precision: str = "default"
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"model.dtype={self.dtype!r}; expected 'float32' or 'bfloat16'")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"model.attention={self.attention!r}; expected one of {ATTENTION}")
+    if self.matmul_precision not in PRECISIONS:
+      raise ValueError(f"model.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
+    if self.attn_block < 8:
+      raise ValueError(f"model.attn_block={self.attn_block} must be >= 8")
+    if self.hf_dir is not None and self.overrides:
+      raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
+    for name in sorted(set(self.overrides) & set(_NOT_ARCHITECTURE)):  # the run rebuilds the model from config.json
+      raise ValueError(f"model.overrides.{name}: not part of the model's config.json, so the run would not see it; "
+                       f"{_NOT_ARCHITECTURE[name]}")
+
+
+# ModelConfig fields the run sets from its own keys, not from the model directory: an override would be dropped.
+_NOT_ARCHITECTURE = {"attention": "set model.attention", "attn_block": "set model.attn_block",
+                     "dtype": "set model.dtype (the compute dtype)",
+                     "param_dtype": "training keeps fp32 parameters (model.dtype sets the compute dtype)"}
+
+
+ATTENTION = ("flash", "reference", "xla", "cudnn")
+PRECISIONS = ("default", "high", "highest")
+LOGPROBS = ("fused", "separate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+  """How the train step is laid out in memory (the objective is `rl`, the optimizer `optim`)."""
+
+  # Token budget of a packed row: completions are packed first-fit-decreasing into rows of this many
+  # tokens (segment ids, positions restarting per completion); 0 = one completion per row, padded to
+  # data.max_prompt_len + rollout.max_new_tokens. The row count per microbatch is the smallest multiple of
+  # the data-parallel width that holds the batch, so each distinct count compiles once.
+  max_tokens_per_row: int = 0
+  remat: str = "none"  # none | block (recompute each block) | a jax.checkpoint_policies name (dots_saveable...)
+  # fused: reference log-probs / old values inside the train step's program (one program reads the weights);
+  # separate: their own program first (a "logprobs" span of its own in the timeline).
+  logprobs: str = "fused"
+
+  def __post_init__(self):
+    from jaxrl_topo.models.transformer import remat_policy
+
+    if self.max_tokens_per_row < 0:
+      raise ValueError(f"train.max_tokens_per_row={self.max_tokens_per_row} must be >= 0 (0: no packing)")
+    if self.logprobs not in LOGPROBS:
+      raise ValueError(f"train.logprobs={self.logprobs!r}; expected one of {LOGPROBS}")
+    try:
+      remat_policy(self.remat)
+    except ValueError as e:
+      raise ValueError(f"train.{e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+  """How completions are sampled (the group size lives in rl.group_size)."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  n_slots: int = 64  # engine decode slots
+  page_size: int = 16
+  n_pages: int = 0  # 0: enough for every slot at full length (no preemption)
+  decode_chunk: int = 8
+  # with nobody watching chunk boundaries (colocated batches, launchers/generate.py) a chunk doubles up to
+  # this many decode steps while its longest row needs them (fewer host round trips); 0: chunks of 4 x decode_chunk
+  max_chunk: int = 256
+  update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
+  stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
+  eval_greedy: bool = True  # held-out accuracy with greedy decoding
+  kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
+  # the paged decode read (rollout/paged.py): auto = window on CPU (gathers a decode chunk's pages once), the
+  # Pallas kernel on GPU where it works, else bucketed; fast | reference | pallas read each row on its own (its
+  # numbers never depend on the rows beside it)
+  impl: str = "auto"
+  min_window_tokens: int = 64  # impl window: no narrower window or read (fewer programs to compile); 0 = none
+  min_pack_rows: int = 2  # a chunk decodes its live rows packed into >= this many per shard (a program per size)
+  # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
+  # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
+  # batch, each drained before the next starts. (Colocated and DAPO dynamic sampling are always batch by batch.)
+  continuous: bool = True
+
+  def __post_init__(self):
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
+    if self.impl not in ("auto", *IMPLS):
+      raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
+    if self.update_policy not in UPDATE_POLICIES:
+      raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
+    if self.max_chunk < 0:
+      raise ValueError(f"rollout.max_chunk={self.max_chunk} must be >= 0 (0: chunks never grow)")
+    if self.min_window_tokens < 0:
+      raise ValueError(f"rollout.min_window_tokens={self.min_window_tokens} must be >= 0 (0: no floor)")
+    if self.min_pack_rows < 2:
+      raise ValueError(f"rollout.min_pack_rows={self.min_pack_rows} must be >= 2")
+    for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
+    if self.n_pages < 0:
+      raise ValueError(f"rollout.n_pages={self.n_pages} must be >= 0 (0: every slot at full length)")
+    if "" in self.stop:  # the empty string is in every text: each completion would end at its first token
+      raise ValueError(f"rollout.stop={self.stop!r} holds an empty string; stop strings must be non-empty")
+    self.sampling  # noqa: B018  (validates temperature / top-k / top-p / min-p now)
+
+  @property
+  def sampling(self) -> SamplingConfig:
+    return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
+
+ON_ERROR = ("score", "drop")
+
+
+MODEL_REWARD = "model"  # the reward model's name among the reward functions
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+  """Reward functions (import paths or built-in names, envs/rewards.py) and the shaping around them."""
+
+  fn: str = "task"  # the main reward: "task", "math_answer", "format", "pkg.module:fn", or "model"
+  extra: dict[str, float] = dataclasses.field(default_factory=dict)  # more functions: name -> weight
+  # A learned reward model (rl/reward_model.py): an HF *ForSequenceClassification directory (num_labels=1),
+  # on the topology's "reward" role (its own `topology.reward_devices`), else on the rollout devices.
+  # Its score of prompt + completion is added with `model_weight`; with fn="model" it is the main reward.
+  model_dir: str | None = None
+  model_weight: float = 1.0
+  model_batch_size: int = 32
+  n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
+  timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
+  error_score: float = 0.0
+  # Circuit breaker (rl/reward_pool.py): a function failing on more than this fraction of the items of
+  # `max_error_steps` consecutive scoring calls stops the run with an error (checkpoints kept); 0 steps = off.
+  max_error_frac: float = 0.5
+  max_error_steps: int = 3
+  dynamic_sampling: bool = False  # DAPO: drop groups whose main reward (accuracy) never varies, sample more prompts
+  max_sampling_rounds: int = 4  # dynamic sampling gives up (trains on what it has) after this many
+  overlong_buffer: int = 0  # DAPO soft overlong: the last `buffer` tokens before max_new_tokens cost
+  overlong_penalty: float = 1.0  # ...up to this much, linearly
+  overlong_filter: bool = False  # DAPO: completions cut at max_new_tokens get no loss
+
+  def __post_init__(self):
+    if self.n_workers < 0 or not self.timeout_s > 0 or self.max_sampling_rounds < 1 or self.overlong_buffer < 0:
+      raise ValueError("reward: n_workers >= 0, timeout_s > 0, max_sampling_rounds >= 1, overlong_buffer >= 0")
+    if self.fn == MODEL_REWARD and self.model_dir is None:
+      raise ValueError('reward.fn="model" needs reward.model_dir (an HF *ForSequenceClassification directory)')
+    if MODEL_REWARD in self.extra:
+      raise ValueError(f'reward.extra holds "{MODEL_REWARD}": the reward model is set by reward.model_dir and '
+                       f"weighted by reward.model_weight (here {self.model_weight}), not through extra")
+    if self.model_batch_size < 1:
+      raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
+    if not 0 <= self.max_error_frac <= 1 or self.max_error_steps < 0:
+      raise ValueError("reward: 0 <= max_error_frac <= 1, max_error_steps >= 0")
+    check_ranges("reward", self, error_score="finite", model_weight="finite", overlong_penalty="finite")
+
+  @property
+  def fns(self) -> tuple[tuple[str, float], ...]:
+    """The reward functions the worker pool runs (the model is scored on devices instead)."""
+    return tuple((name, w) for name, w in ((self.fn, 1.0), *self.extra.items()) if name != MODEL_REWARD)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+  """The loop around the steps."""
+
+  steps: int = 20
+  # launchers/train.py: start the workdir over (delete its checkpoints, init_model, metrics) instead of
+  # refusing a workdir of another run; the same as --fresh. Saved as False in the run's config.json.
+  fresh: bool = False
+  seed: int = 0  # rollout sampling keys come from (seed, step, sequence, position)
+  n_micro: int = 1  # microbatches per train step
+  eval_every: int = 0  # held-out accuracy every N steps (0: only before and after)
+  eval_size: int = 0  # held-out prompts per evaluation (0: all)
+  max_staleness: int = 1  # eta, in weight versions: disaggregated uses 1 (0 = no overlap); async >= 1
+  # True: every landing decision is a function of step and chunk counters (async: a step's weights land
+  # after `land_after_chunks` decode chunks, waiting for the step if it is still running): bit-reproducible
+  # runs and tests. False: async lands a finished step's weights at the next decode-chunk boundary and waits
+  # only when eta forces it. Multi-process runs always take the counter schedule (every process decides alike).
+  deterministic: bool = False
+  land_after_chunks: int = 4  # deterministic async: a finished train step's weights land after this many chunks
+  checkpoint_every: int = 10  # steps between checkpoints (0: only at the end); at most this many steps are redone
+  keep_checkpoints: int = 2
+  log_every: int = 1
+  tensorboard: bool = True
+  plot: bool = True  # reward curve PNG at the end
+  profile_step: int = -1  # jax.profiler trace of this step into <workdir>/profile (-1: none)
+  sft_steps: int = 0  # supervised warm-up on the training split's answers before RL (fresh runs only): at most
+  sft_target_accuracy: float = 0.0  # > 0: stop the warm-up once greedy accuracy on training prompts reaches it
+  sft_eval_every: int = 5
+  sft_dev_size: int = 256
+  sft_lr: float = 3e-3
+  sft_batch: int = 64
+
+  def __post_init__(self):
+    check_ranges("run", self, steps=">=0", n_micro=">=1", max_staleness=">=0", land_after_chunks=">=1",
+                 eval_every=">=0", eval_size=">=0", checkpoint_every=">=0", keep_checkpoints=">=1", log_every=">=1",
+                 sft_steps=">=0", sft_target_accuracy="0..1", sft_eval_every=">=1", sft_dev_size=">=1", sft_lr=">0",
+                 sft_batch=">=1")
+    if self.profile_step < -1:
+      raise ValueError(f"run.profile_step={self.profile_step} must be >= 0 (a step to trace) or -1 (none)")
+    if not 0 <= self.seed < 2**32:  # a sampling key keeps 32 bits: 2**32 + 7 would sample as 7 does
+      raise ValueError(f"run.seed={self.seed} must be in [0, 2**32)")
+    if not math.isfinite(self.sft_lr):
+      raise ValueError(f"run.sft_lr={self.sft_lr} must be finite")
+
+
+SYNC_MODES = ("full", "delta", "lora")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+  """Weight sync after every train step (topology/transfer.py TransferPlan), trainer -> rollout layout."""
+
+  # full: every bucket, cast to the rollout dtype; delta: only the buckets whose cast values changed bitwise
+  # (logs sync/changed_frac); lora: only the LoRA adapters (fp32), merged into the rollout's own base copy.
+  mode: str = "full"
+  # Destination MiB per bucket. The old rollout weights are freed bucket by bucket just before each new
+  # bucket lands, so a sync needs about one bucket of extra rollout memory (not a second copy).
+  bucket_mib: float = 64.0
+
+  def __post_init__(self):
+    if self.mode not in SYNC_MODES:
+      raise ValueError(f"sync.mode={self.mode!r}; expected one of {SYNC_MODES}")
+    if not self.bucket_mib > 0:
+      raise ValueError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
+
+  @property
+  def bucket_bytes(self) -> int:
+    return max(1, int(self.bucket_mib * 2**20))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+  """Multi-turn episodes with an environment (envs/env.py, rollout/episodes.py); fn="" = single-turn.
+  With an environment its episode return is the reward (reward.fn / reward.extra are not used)."""
+
+  fn: str = ""  # "calc" (data/tool_calc.py) or "pkg.module:Env"
+  max_turns: int = 4  # model turns per episode; rollout.max_new_tokens bounds all tokens after the prompt
+  role: str = "user"  # the chat role the environment's observations are rendered as
+  n_workers: int = 2  # environment worker processes; 0 = in the controller (no timeout)
+  timeout_s: float = 10.0  # per call; a hung environment is killed and its episode scored `error_score`
+  error_score: float = 0.0
+
+  def __post_init__(self):
+    if self.max_turns < 1 or self.n_workers < 0 or not self.timeout_s > 0:
+      raise ValueError("env: max_turns >= 1, n_workers >= 0, timeout_s > 0")
+    check_ranges("env", self, error_score="finite")
