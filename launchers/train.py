@@ -59,7 +59,14 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--config is required, e.g. --config=configs/grpo_task.py:tiny")
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
-  from jaxrl_topo.runtime.workdir import check_data, check_model, check_not_a_model, check_workdir, start_over
+  from jaxrl_topo.runtime.workdir import (
+    check_data,
+    check_fresh,
+    check_model,
+    check_not_a_model,
+    check_workdir,
+    start_over,
+  )
 
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
@@ -67,7 +74,9 @@ def main(argv: Sequence[str]) -> None:
   check_model(cfg)  # lora.targets name the model's projections
   workdir, fresh = _WORKDIR.value, _FRESH.value or cfg.run.fresh
   check_not_a_model(cfg, workdir)  # a model directory is refused, --fresh or not
-  if not fresh:
+  if fresh:
+    check_fresh(workdir)  # --fresh deletes a run's folders: refused while they hold anything else
+  else:
     check_workdir(cfg, workdir)  # before config.json is overwritten
   distributed.initialize()
   import jax

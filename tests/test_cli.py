@@ -140,6 +140,17 @@ def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
     assert (model / "config.json").read_text() == '{"model_type": "llama"}'
 
 
+def test_fresh_refuses_a_checkpoints_folder_that_is_not_a_runs(tmp_path):
+  """--fresh removes checkpoints/ whole: a folder holding another tool's checkpoints is refused, untouched."""
+  (tmp_path / "w" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "w" / "checkpoints" / "model_epoch3.pt").write_text("mine")
+  r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--fresh")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert "holds checkpoints/model_epoch3.pt, which no run writes" in r.stderr, r.stderr
+  assert [p.name for p in (tmp_path / "w").iterdir()] == ["checkpoints"]
+  assert (tmp_path / "w" / "checkpoints" / "model_epoch3.pt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("script,args,says", [
     ("review.py", ["--n_devices=0"], "error: flag --n_devices=0: must be > 0"),  # before: accepted (-4 refused)
     ("review.py", ["--device_memory_gb=-3"], "error: flag --device_memory_gb=-3.0: must be > 0"),

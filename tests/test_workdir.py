@@ -79,6 +79,22 @@ def test_fresh_clears_only_the_runs_files(tmp_path):
   assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
 
 
+def test_fresh_refuses_a_folder_whose_checkpoints_or_tb_are_not_a_runs(tmp_path):
+  """--fresh deletes checkpoints/ and tb/ whole: another tool's files there are named and nothing is deleted; a
+  run's own (orbax step folders, a save in progress, tfevents) pass."""
+  work = tmp_path / "w"
+  (work / "checkpoints" / "3").mkdir(parents=True)
+  (work / "checkpoints" / "4.orbax-checkpoint-tmp-17").mkdir()
+  (work / "tb").mkdir()
+  (work / "tb" / "events.out.tfevents.1796004646.vm").write_text("")
+  workdir.check_fresh(str(work))
+  (work / "checkpoints" / "model_epoch3.pt").write_text("mine")
+  (work / "tb" / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"checkpoints/model_epoch3.pt, tb/notes.txt, which no run writes"):
+    workdir.start_over(str(work))
+  assert (work / "checkpoints" / "model_epoch3.pt").read_text() == "mine" and (work / "tb" / "notes.txt").exists()
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"data.task.length": 3}, "only 216 distinct prompts"),
     ({"data.max_prompt_len": 4}, "No prompts left from reversal: 1000 of 1000 rows are over"),

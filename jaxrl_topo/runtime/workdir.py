@@ -173,8 +173,28 @@ def write_identity(cfg: RunConfig, workdir: str) -> None:
   os.replace(path + ".tmp", path)
 
 
+# What a run writes inside its folders: checkpoints/<step> (orbax; a save in progress is <step>.<suffix>) and
+# tb/events.out.tfevents.*. Anything else there is someone else's, and --fresh would delete it with the folder.
+_OURS_INSIDE = {"checkpoints": lambda name: name.split(".")[0].isdigit(),
+                "tb": lambda name: name.startswith("events.out.tfevents")}
+
+
+def check_fresh(workdir: str, where: str = "--workdir") -> None:
+  """Raises ValueError, naming them, when the folders --fresh deletes hold entries a run does not write (a
+  `checkpoints/` of another tool, say): --fresh removes only a run's files, and those would go with it."""
+  foreign = [os.path.join(name, entry) for name, ours in _OURS_INSIDE.items()
+             if os.path.isdir(os.path.join(workdir, name))
+             for entry in sorted(os.listdir(os.path.join(workdir, name))) if not ours(entry)]
+  if foreign:
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise ValueError(f"{where} {workdir} holds {shown}, which no run writes: --fresh would delete them with their "
+                     "folder; nothing was changed. Move them, or use another directory")
+
+
 def start_over(workdir: str) -> list[str]:
-  """--fresh: removes the run's files from `workdir` (nothing else there); returns what went."""
+  """--fresh: removes the run's files from `workdir` (nothing else there); returns what went. Refuses
+  (`check_fresh`) when a folder it would remove holds something a run does not write."""
+  check_fresh(workdir)
   gone = []
   for name in RUN_FILES:
     p = os.path.join(workdir, name)
