@@ -312,6 +312,12 @@ def test_a_scripts_run_saves_its_config_for_export(tmp_path, monkeypatch):
     run_lib.train(cfg, str(tmp_path / "w"), progress=False)
   assert seen["config"] == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))
   assert not (tmp_path / "w" / "config.json").exists()  # a run that never started leaves nothing behind
+  # ... unless its folders hold another tool's files: the build's own error still comes out, and they stay
+  (tmp_path / "v" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "v" / "checkpoints" / "theirs.pt").write_text("mine")
+  with pytest.raises(RuntimeError, match="stop before compiling"):
+    run_lib.train(cfg, str(tmp_path / "v"), progress=False)
+  assert (tmp_path / "v" / "checkpoints" / "theirs.pt").read_text() == "mine"
 
 
 def test_a_relaunch_whose_state_does_not_fit_the_checkpoint_keeps_the_runs_record(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ Checkpoints every `run.checkpoint_every` steps (default 10) and at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -97,7 +98,8 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if ckpt is not None:
       ckpt.close()
     if new and _main():  # a run that never started leaves nothing behind: the corrected call starts afresh
-      workdir_lib.start_over(workdir)
+      with contextlib.suppress(ValueError):  # unless its folders hold another tool's files: then it stays as is
+        workdir_lib.start_over(workdir)
     raise
   start, before, produced = 0, None, []
   try:
