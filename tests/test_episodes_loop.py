@@ -14,7 +14,7 @@ from jaxrl_topo.runtime.config import from_config_dict
 STEPS = 3
 
 
-def _cfg(mode: str):
+def _cfg(mode: str, **overrides):
   c = load_config("tool_calc", "5", **{
       "run.steps": STEPS, "run.eval_every": 0, "run.tensorboard": False, "run.plot": False, "data.batch_size": 4,
       "rl.group_size": 4, "rollout.n_slots": 16, "rollout.max_new_tokens": 48, "run.max_staleness": ETA[mode],
@@ -23,7 +23,7 @@ def _cfg(mode: str):
       "rollout.stop": ("1", "2", "3", "4", "</calc>"),
       # one decode batch per shard (its 8 slots): packing's other sizes are the engine tests' subject, and
       # each is a program to compile
-      "rollout.min_pack_rows": 8})
+      "rollout.min_pack_rows": 8, **overrides})
   c.topology = TOPO[mode]
   return from_config_dict(c)
 
@@ -59,3 +59,24 @@ def test_every_mode_trains_on_multi_turn_batches(mode, tmp_path):
                                                      for s in traj.samples])
   finally:
     exp.close()
+
+
+def test_an_environment_failing_every_episode_stops_the_run_keeping_its_checkpoints(tmp_path):
+  """The reward functions' circuit breaker holds for an environment too (before: a run whose env.fn raised on
+  every step trained on error_score to its last step). Colocated, no warm-up: step 0 trains on its failed
+  episodes and is checkpointed; step 1's batch fails too, the second in a row, and the run stops."""
+  import json
+  import os
+
+  from jaxrl_topo.envs.reward_pool import RewardsFailing
+  from jaxrl_topo.runtime import run as run_lib
+
+  cfg = _cfg("colocated", **{"env.fn": "envs_for_tests:RaisesOnStep", "reward.max_error_steps": 2,
+                             "run.sft_steps": 0, "run.checkpoint_every": 1})
+  # (an episode whose first turn ran out of tokens never called the environment: "15 of 16" is possible)
+  with pytest.raises(RewardsFailing, match=r"environment 'envs_for_tests:RaisesOnStep' failed on 1\d of 16 episodes "
+                                           r"in each of the last 2 scored batches .* last failure: raised "):
+    run_lib.train(cfg, str(tmp_path), progress=False)
+  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in logged] == [0] and logged[0]["env/errors"] > 8
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]

@@ -144,23 +144,31 @@ class CircuitBreaker:
   """Stops a run whose reward function is broken, instead of training on `error_score` to the end: a
   function that fails (raises, times out, returns garbage) on more than `max_error_frac` of a call's
   items for `max_calls` consecutive calls (one per step, more with dynamic sampling) raises
-  `RewardsFailing`. `max_calls=0` turns it off."""
+  `RewardsFailing`. `max_calls=0` turns it off. `what`, `unit` and `calls` name the scorer, its items and its
+  calls in the message: a multi-turn run's environment is checked per step's episodes (runtime/rollout_side.py)."""
 
   max_error_frac: float = 0.5
   max_calls: int = 3
+  what: str = "reward"
+  unit: str = "items"
+  calls: str = "scoring calls"
   streak: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def check(self, result: RewardResult, n: int) -> None:
+    self.count(result.failed, n, result.why)
+
+  def count(self, failed: dict[str, int], n: int, why: str = "") -> None:
+    """One call's failures: {scorer name: items it failed on} of `n` items."""
     if not self.max_calls or not n:
       return
-    for name, bad in result.failed.items():
+    for name, bad in failed.items():
       self.streak[name] = self.streak.get(name, 0) + 1 if bad > self.max_error_frac * n else 0
       if self.streak[name] >= self.max_calls:
         raise RewardsFailing(
-            f"reward {name!r} failed on {bad} of {n} items in each of the last {self.streak[name]} scoring calls "
-            f"(reward.max_error_frac={self.max_error_frac}, reward.max_error_steps={self.max_calls}); last "
-            f"failure: {result.why or 'see the warnings above'}. Stopped; the checkpoints saved so far are kept.")
-    for name in set(self.streak) - set(result.failed):
+            f"{self.what} {name!r} failed on {bad} of {n} {self.unit} in each of the last {self.streak[name]} "
+            f"{self.calls} (reward.max_error_frac={self.max_error_frac}, reward.max_error_steps={self.max_calls}); "
+            f"last failure: {why or 'see the warnings above'}. Stopped; the checkpoints saved so far are kept.")
+    for name in set(self.streak) - set(failed):
       self.streak[name] = 0
 
 

@@ -82,8 +82,10 @@ class EnvTurns:
   before a batch's episodes start; `take(tag, samples)` for their returns once they ended."""
 
   def __init__(self, pool: EnvPool, tokenizer: Tokenizer, *, chat: bool = True, role: str = "user",
-               error_score: float = 0.0, max_prompt_len: int | None = None):
+               error_score: float = 0.0, max_prompt_len: int | None = None, breaker=None):
     self.pool, self.tok, self.chat, self.role, self.error_score = pool, tokenizer, chat, role, error_score
+    # reward_pool.CircuitBreaker over each step's episodes (runtime/rollout_side.score); None: never stops a run
+    self.breaker, self.last_failure = breaker, ""
     self.max_prompt_len = max_prompt_len  # a longer reset observation keeps its last tokens (data.overlong's rule)
     self.batches: dict = {}  # tag -> (examples, group size)
     self.episodes: dict = {}  # (tag, request, sample) -> _Episode
@@ -132,7 +134,7 @@ class EnvTurns:
     for key, kind, payload in results:
       ep = self.episodes[key]
       if kind != "ok":
-        ep.failed, ep.ret = kind, self.error_score
+        ep.failed, ep.ret, self.last_failure = kind, self.error_score, str(payload)
         replies.append((key, None, "env_error"))
         continue
       obs, reward, done, info = payload
@@ -149,6 +151,7 @@ class EnvTurns:
         ids = []
       if not ids:  # ... or the reply is no tokens at all (an empty observation as plain text)
         ep.failed, ep.ret = "error", self.error_score
+        self.last_failure = "its observation rendered as no tokens (or the chat template refused the turn)"
         replies.append((key, None, "env_error"))
         continue
       ep.messages += [{"role": "assistant", "content": text}, {"role": self.role, "content": obs}]

@@ -22,7 +22,7 @@ from absl import logging
 from jaxrl_topo.data import pipeline
 from jaxrl_topo.envs.env import resolve as resolve_env
 from jaxrl_topo.envs.env_pool import EnvPool
-from jaxrl_topo.envs.reward_pool import RewardPool, score_inline
+from jaxrl_topo.envs.reward_pool import CircuitBreaker, RewardPool, score_inline
 from jaxrl_topo.envs.turns import EnvTurns, demonstrations
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.config import ModelConfig
@@ -254,9 +254,11 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   stop_ids, stop_strings = split_stops(tokenizer, cfg.rollout.stop)
   env = None
   if cfg.env.fn:
+    breaker = CircuitBreaker(cfg.reward.max_error_frac, cfg.reward.max_error_steps, what="environment",
+                             unit="episodes", calls="scored batches")
     env = EnvTurns(EnvPool(cfg.env.fn, n_workers=cfg.env.n_workers, timeout_s=cfg.env.timeout_s), tokenizer,
                    chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score,
-                   max_prompt_len=cfg.data.max_prompt_len)
+                   max_prompt_len=cfg.data.max_prompt_len, breaker=breaker)
   dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))
   logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
                model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))

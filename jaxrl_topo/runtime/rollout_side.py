@@ -133,7 +133,11 @@ def score(exp: Experiment, examples: list[dict], samples: list[Sample],
     limit = exp.cfg.rollout.max_new_tokens - rc.overlong_buffer
     over = np.array([max(0, len(s.tokens) - limit) for s in samples], np.float32)
     rewards -= rc.overlong_penalty * over / rc.overlong_buffer
-  return agreed((rewards, main, info))
+  rewards, main, info = agreed((rewards, main, info))
+  if exp.env is not None and exp.env.breaker is not None:  # on the agreed counts: every process stops together
+    exp.env.breaker.count({exp.cfg.env.fn: info["env/errors"] + info["env/timeouts"]}, len(samples),
+                          exp.env.last_failure)
+  return rewards, main, info
 
 
 def agreed(scores):

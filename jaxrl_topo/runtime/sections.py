@@ -162,8 +162,9 @@ class RewardSpec:
   n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
   timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
   error_score: float = 0.0
-  # Circuit breaker (rl/reward_pool.py): a function failing on more than this fraction of the items of
+  # Circuit breaker (envs/reward_pool.py): a function failing on more than this fraction of the items of
   # `max_error_steps` consecutive scoring calls stops the run with an error (checkpoints kept); 0 steps = off.
+  # A multi-turn run's environment (env.fn) is held to the same limits over each scored batch's episodes.
   max_error_frac: float = 0.5
   max_error_steps: int = 3
   dynamic_sampling: bool = False  # DAPO: drop groups whose main reward (accuracy) never varies, sample more prompts
