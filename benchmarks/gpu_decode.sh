@@ -5,7 +5,9 @@
 # kernel trace (decode.py --profile), then the leads RESULTS.md names (all GEMMs through cuBLAS; rbg random bits),
 # each beside dense in the same process. Further runs: `splits` (the kernel at 1, 2 and 3 programs a row beside
 # dense), `fast` and `bucketed` (the XLA reads, each beside the kernel), `check`
-# (pallas_check.py's kernel correctness and one-layer read sweep) and `train` (train_step.py's MFU target).
+# (pallas_check.py's kernel correctness and one-layer read sweep), `train` (train_step.py's MFU target), and the
+# leads RESULTS.md names for the next GPU session: `tail` (split rows at 8 and 32 rows of long contexts) and
+# `train512` (flash attention at 512-token tiles).
 # JAX_LOG_COMPILES=1 logs every compile, so a run that stalls shows where (runs once 'stalled' past 90-120 s: the
 # model's random init compiled for 48-62 s; decode.py now builds it op by op);
 # a run past its limit gets SIGABRT first, and PYTHONFAULTHANDLER=1 then writes every thread's Python stack to its log.
@@ -67,7 +69,15 @@ for r in ${RUNS:-base window cublas rbg}; do
              --seq_len=2048 --batch=16 --n_micro=4 "--dtype=$DTYPE" --remat --steps=5 ${TRAIN_ARGS:-} \
              > "$OUT/train.jsonl" 2> "$OUT/train.log"
            echo "train: rc $?" ;;
-    *) echo "RUNS: unknown run '$r' (base plain window window0 cublas rbg rbg0 splits fast bucketed check train)"; exit 2 ;;
+    tail) timeout -s ABRT -k 20 $((90 * LIMIT / 150)) "$PYTHON" benchmarks/pallas_check.py --checks=read \
+            --batches=8,32 --median_ctx=2048 > "$OUT/tail.jsonl" 2> "$OUT/tail.log"  # split rows where few are live
+          echo "tail: rc $?" ;;
+    train512) timeout -s ABRT -k 20 $((130 * LIMIT / 150)) "$PYTHON" benchmarks/train_step.py "--preset=$PRESET" \
+                --seq_len=2048 --batch=16 --n_micro=4 "--dtype=$DTYPE" --remat --steps=3 --warmup=1 \
+                --model_overrides='{"attn_block": 512}' ${TRAIN_ARGS:-} > "$OUT/train512.jsonl" 2> "$OUT/train512.log"
+              echo "train512: rc $?" ;;  # flash at 10 tiles a layer instead of 136 (RESULTS.md, "Train step: GPU")
+    *) echo "RUNS: unknown run '$r' (base plain window window0 cublas rbg rbg0 splits fast bucketed check train tail"\
+            "train512)"; exit 2 ;;
   esac
   tar czf "$OUT.tgz.part" -C "$OUT" --exclude=all.tgz . && mv "$OUT.tgz.part" "$ARCHIVE"
   [ -s "$OUT/dmon.txt" ] && echo "  GPU load (sm %) over the run's last 20 s: $(tail -10 "$OUT/dmon.txt" | awk '{printf "%s ", $3}')"
