@@ -186,7 +186,8 @@ def launch(main: Callable[[list[str]], None]) -> None:
 
 def define_engine_flags() -> Callable[[], dict]:
   """The rollout engine's knobs as flags of a launcher (generate.py, serve.py): --kv_dtype, --min_pack_rows,
-  --min_window_tokens. Returns a function that gives the ones set on the command line, by EngineConfig name."""
+  --min_window_tokens, --pallas_splits. Returns a function that gives the ones set on the command line, by
+  EngineConfig name."""
   from jaxrl_topo.rollout.engine_config import KV_DTYPES, EngineConfig
 
   caller = sys._getframe(1).f_globals.get("__name__")  # absl lists a script's own flags under --help
@@ -197,5 +198,7 @@ def define_engine_flags() -> Callable[[], dict]:
                            "data shard (>= 2; each size met is a program to compile; default "
                            f"{EngineConfig.min_pack_rows}).", **where),
       flags.DEFINE_integer("min_window_tokens", None, "--read=window: no narrower window than this many tokens "
-                           f"(fewer programs to compile; default {EngineConfig.min_window_tokens}).", **where)]
+                           f"(fewer programs to compile; default {EngineConfig.min_window_tokens}).", **where),
+      flags.DEFINE_integer("pallas_splits", None, "--read=pallas (or auto on a GPU): programs each row's page walk "
+                           "is divided over (flash-decoding; default: the kernel's, 1).", **where)]
   return lambda: {f.name: f.value for f in defined if f.value is not None}

@@ -3,6 +3,7 @@
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
       [--stop="</answer>" --stop="\n\n"] [--read=window --kv_dtype=bfloat16 --min_pack_rows=2 --min_window_tokens=64]
+      [--pallas_splits=0]
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").

@@ -7,8 +7,8 @@
 
 Clients speak JetStream's protocol (jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub: Decode,
 HealthCheck), with text (the model's tokenizer.json) or token ids. The engine is the RL loop's paged
-rollout engine on a rollout mesh of --data x --tensor devices (--read, --kv_dtype, --min_pack_rows and
---min_window_tokens set its knobs, as in launchers/generate.py). Ctrl-C or SIGTERM stops the server;
+rollout engine on a rollout mesh of --data x --tensor devices (--read, --kv_dtype, --min_pack_rows,
+--min_window_tokens and --pallas_splits set its knobs, as in launchers/generate.py). Ctrl-C or SIGTERM stops the server;
 SIGUSR1 prints every thread's stack.
 """
 

@@ -55,10 +55,12 @@ def test_out_equal_to_prompts_is_refused(tmp_path, model):
   assert p.read_text() == before
 
 
-def test_a_bad_engine_option_is_refused_before_any_work(tmp_path):
+@pytest.mark.parametrize("flag, says", [("--min_pack_rows=1", "min_pack_rows=1 must be >= 2"),
+                                        ("--pallas_splits=-1", "pallas_splits=-1 must be >= 0")])
+def test_a_bad_engine_option_is_refused_before_any_work(tmp_path, flag, says):
   r = _run(GENERATE, f"--model={tmp_path / 'nope'}", f"--prompts={tmp_path / 'nope.jsonl'}",
-           f"--out={tmp_path / 'o.jsonl'}", "--min_pack_rows=1")
-  assert r.returncode == 2 and "min_pack_rows=1 must be >= 2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+           f"--out={tmp_path / 'o.jsonl'}", flag)
+  assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_prompt_plus_new_tokens_over_the_position_limit(tmp_path, model):

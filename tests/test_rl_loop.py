@@ -475,6 +475,10 @@ def test_the_rollout_config_reaches_the_engine():
   e = engine_config(rc, (2,), 0)
   assert (e.min_window_tokens, e.max_chunk, e.impl, e.page_size, e.min_pack_rows) == (16, 64, "bucketed", 4, 4)
   assert e.max_len == 16 and e.n_pages == 16 * 4 and e.window_min_pages == 4 and e.eos_ids == (2,)
+  e = engine_config(_cfg("colocated", 1, **{"rollout.impl": "pallas", "rollout.pallas_splits": 3}), (2,), 0)
+  assert (e.impl, e.pallas_splits) == ("pallas", 3)
+  with pytest.raises(ValueError, match="pallas_splits=3 sets the Pallas kernel; rollout.impl='window' never runs it"):
+    _cfg("colocated", 1, **{"rollout.impl": "window", "rollout.pallas_splits": 3})
 
 
 def test_every_process_takes_process_0s_scores(monkeypatch):

@@ -193,7 +193,8 @@ def engine_config(cfg: RunConfig, eos_ids: tuple[int, ...], pad_id: int) -> Engi
   return EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
                       decode_chunk=rollout.decode_chunk, sampling=rollout.sampling, kv_dtype=rollout.kv_dtype,
                       impl=rollout.impl, max_chunk=rollout.max_chunk, min_window_tokens=rollout.min_window_tokens,
-                      min_pack_rows=rollout.min_pack_rows, eos_ids=eos_ids, pad_id=pad_id)
+                      min_pack_rows=rollout.min_pack_rows, pallas_splits=rollout.pallas_splits, eos_ids=eos_ids,
+                      pad_id=pad_id)
 
 
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:

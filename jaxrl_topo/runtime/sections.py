@@ -109,6 +109,9 @@ class RolloutSpec:
   impl: str = "auto"
   min_window_tokens: int = 64  # impl window: no narrower window or read (fewer programs to compile); 0 = none
   min_pack_rows: int = 2  # a chunk decodes its live rows packed into >= this many per shard (a program per size)
+  # impl pallas (GPU): programs each row's page walk is divided over, flash-decoding style; 0 = the kernel's
+  # default (1). Measured slower at batch 256 on an H200 (benchmarks/RESULTS.md); for a few long rows
+  pallas_splits: int = 0
   # disaggregated / async: one generation stream for the whole run; batch k's prompts take slots as soon as
   # k <= version + eta, and groups are scored as they finish (runtime/rollout_side.py). False: batch by
   # batch, each drained before the next starts. (Colocated and DAPO dynamic sampling are always batch by batch.)
@@ -127,6 +130,11 @@ class RolloutSpec:
       raise ValueError(f"rollout.min_window_tokens={self.min_window_tokens} must be >= 0 (0: no floor)")
     if self.min_pack_rows < 2:
       raise ValueError(f"rollout.min_pack_rows={self.min_pack_rows} must be >= 2")
+    if self.pallas_splits < 0:
+      raise ValueError(f"rollout.pallas_splits={self.pallas_splits} must be >= 0 (0: the kernel's default)")
+    if self.pallas_splits and self.impl not in ("auto", "pallas"):
+      raise ValueError(f"rollout.pallas_splits={self.pallas_splits} sets the Pallas kernel; rollout.impl="
+                       f"{self.impl!r} never runs it (use 'pallas', or 'auto' on a GPU)")
     for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
       if getattr(self, name) <= 0:
         raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
