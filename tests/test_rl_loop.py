@@ -16,7 +16,7 @@ from subproc import cpu_env
 
 from jaxrl_topo.runtime import run as run_lib
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
-from jaxrl_topo.runtime.metrics import comparable, read_metrics
+from jaxrl_topo.runtime.metrics import comparable, read_histograms, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -202,7 +202,8 @@ def _launch(workdir, steps, kill_at=None, cache_dir=None, **overrides):
   import subprocess
   import sys
 
-  flags = {"run.steps": steps, "run.checkpoint_every": 2, "run.eval_every": 0, "run.tensorboard": False,
+  # step 3 (weights 4) is evaluated: a line a resume from checkpoint 4 must rebuild, evaluation included
+  flags = {"run.steps": steps, "run.checkpoint_every": 2, "run.eval_every": 4, "run.tensorboard": False,
            "run.plot": False, "reward.n_workers": 0, "run.sft_steps": 10, "run.sft_target_accuracy": 0.0,
            "data.batch_size": 4, "rl.group_size": 4, "rollout.n_slots": 16,
            # after 10 warm-up steps the task's reward is 0 for every sample: no step would move a weight
@@ -230,18 +231,23 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at", ["rollout:3", "saving:4"])  # mid-step; mid-save (async write in flight)
-def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, launched, tmp_path):
+# mid-step; mid-save (async write in flight); checkpoint 4 committed, step 3's metrics line not yet written (before:
+# a resume from checkpoint 4 had no line for step 3, nor its evaluation)
+@pytest.mark.parametrize("kill_at, resumed_from", [("rollout:3", 2), ("saving:4", 2), ("saved:4", 4)])
+def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, resumed_from, launched, tmp_path):
 
   run = tmp_path / "killed"
   killed = _launch(run, steps=6, kill_at=kill_at, cache_dir=launched / "cache")
   assert killed.returncode == 137, f"the kill point {kill_at} was not reached:\n{killed.stderr[-3000:]}"
+  if kill_at == "saved:4":
+    assert [r["step"] for r in read_metrics(str(run))] == [0, 1, 2]
   resumed = _launch(run, steps=6, cache_dir=launched / "cache")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   with open(run / "summary.json") as f:
-    assert json.load(f)["resumed_from"] == 2
+    assert json.load(f)["resumed_from"] == resumed_from
   want, got = comparable(read_metrics(str(launched / "ref"))), comparable(read_metrics(str(run)))
   assert [r["step"] for r in got] == list(range(6))
+  assert "eval/accuracy" in got[3] and read_histograms(str(run)) == read_histograms(str(launched / "ref"))
   assert all(r["grad_norm"] > 0 for r in want), "steps that move no weight would make any resume look exact"
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
 

@@ -125,6 +125,9 @@ class LoopHooks:
 
   on_step: Callable[[int, dict], None] = lambda step, metrics: None
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
+  # Right before on_trained: the step's metrics as they stand when its weights land (its evaluation and wall-clock
+  # figures come later, in on_step), so a checkpoint taken in on_trained can keep them (run.py)
+  on_landed: Callable[[int, dict], None] = lambda step, metrics: None
   # Right before each on_trained: the batches produced but not trained yet (exact resume saves them).
   in_flight: Callable[[list[Trajectories]], None] = lambda trajs: None
   should_eval: Callable[[int], bool] = lambda step: False
@@ -221,6 +224,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     m["version"] = version
     if m["staleness/max"] > eta:
       raise AssertionError(f"step {flight.step}: a token {m['staleness/max']} versions old exceeds eta={eta}")
+    hooks.on_landed(flight.step, m)
     hooks.in_flight(list(ready))  # async: a batch being generated now is not among them (regenerated on resume)
     hooks.on_trained(flight.step, flight.traj)  # the state is exactly version step + 1 here (checkpoints)
     deferred.append((flight.step, m))  # eval and logging wait until no engine.run is in progress

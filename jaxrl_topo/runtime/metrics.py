@@ -80,6 +80,11 @@ def _json_value(key: str, value: Any) -> Any:
   raise TypeError(f"metric {key!r}: expected a number, bool, str or None, got {type(value).__name__}")
 
 
+def jsonable(metrics: Mapping[str, Any]) -> dict[str, Any]:
+  """`metrics` as the JSON values a metrics.jsonl line would hold (non-finite floats -> None)."""
+  return {k: _json_value(k, v) for k, v in metrics.items()}
+
+
 def _tb_scalar(value: Any) -> float | None:
   """The float TensorBoard gets for a raw metric value, or None when it is not numeric."""
   if isinstance(value, np.ndarray):

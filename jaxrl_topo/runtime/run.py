@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -36,7 +37,8 @@ from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
-from jaxrl_topo.runtime.metrics import MetricsWriter, read_jsonl
+from jaxrl_topo.runtime.metrics import METRICS_FILE, MetricsWriter, jsonable, read_jsonl
+from jaxrl_topo.runtime.rollout_side import evaluate_metrics
 from jaxrl_topo.runtime.workdir import CONFIG_FILE
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.carve import carve
@@ -101,7 +103,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
       with contextlib.suppress(ValueError):  # unless its folders hold another tool's files: then it stays as is
         workdir_lib.start_over(workdir)
     raise
-  start, before, produced = 0, None, []
+  start, before, produced, landed = 0, None, [], None
   try:
     if latest is not None:
       meta = None
@@ -116,6 +118,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
       exp.prompts.set_state(meta["data_state"])  # after the last saved batch
       saved = meta.get("in_flight")  # a list of batches; older checkpoints hold a note instead (regenerate)
       produced = [inflight.from_json(d) for d in saved] if isinstance(saved, list) else []
+      landed = meta.get("landed")  # step start - 1's metrics line as it stood when the checkpoint was taken
       if start > 0:
         loop_lib.sync_weights(exp, start)
       logging.info("resumed from step %d of %s", start, workdir)
@@ -124,8 +127,20 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if before is None:
       before = loop_lib.evaluate(exp, tag=0)
     logging.info("held-out accuracy before RL: %.3f", before)
+    # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
+    # from the checkpoint, with its evaluation run on the restored weights (the ones it evaluated).
+    lost = hostcomm.broadcast(_main() and landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start))
+                              and not _has_line(workdir, start - 1), src=0)
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
-                            start_step=start, resume=start > 0) if _main() else None)
+                            start_step=start - lost, resume=start > 0) if _main() else None)
+    if lost:
+      m = {**landed["metrics"], "_lags": landed["lags"]}
+      if _should_eval(cfg, start):
+        m["eval/version"] = exp.engine.gen_id
+        m.update(evaluate_metrics(exp, tag=start))
+      logging.info("step %d's metrics line was lost (a kill after its checkpoint): logged from the checkpoint",
+                   start - 1)
+      _log_step(cfg, writer, start - 1, m)
     hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced})
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced)
     after = loop_lib.evaluate(exp, tag=cfg.run.steps)
@@ -159,25 +174,53 @@ def _main() -> bool:
   return jax.process_index() == 0
 
 
-def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state, before, produced) -> None:
-  """`data_state`: the iterator after the last trained batch; `produced`: the batches after it, not trained."""
+def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state, before, produced,
+          landed: dict | None = None) -> None:
+  """`data_state`: the iterator after the last trained batch; `produced`: the batches after it, not trained;
+  `landed`: step - 1's metrics when its weights landed, its line not yet written (a resume writes it if lost)."""
   if ckpt is None:  # this process holds no part of the train state
     return
   meta = {"step": step, "gen_id": step, "data_state": produced[-1].data_state if produced else data_state,
           "seed": cfg.run.seed, "mode": cfg.topology.mode, "accuracy_before": before,
-          "in_flight": [inflight.to_json(t) for t in produced]}
+          "in_flight": [inflight.to_json(t) for t in produced], "landed": landed}
   ckpt.save(step, exp.state, meta)
+
+
+def _should_eval(cfg: RunConfig, done: int) -> bool:
+  return bool(cfg.run.eval_every) and done % cfg.run.eval_every == 0 and done < cfg.run.steps
+
+
+def _logs(cfg: RunConfig, step: int, evaluated: bool) -> bool:
+  """Whether step's line goes to metrics.jsonl: every run.log_every-th step, and every evaluated one."""
+  return step % cfg.run.log_every == 0 or evaluated
+
+
+def _has_line(workdir: str, step: int) -> bool:
+  path = os.path.join(workdir, METRICS_FILE)
+  return os.path.exists(path) and any(r["step"] == step for r in read_jsonl(path))
+
+
+def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) -> None:
+  lags = m.pop("_lags", None)  # each token's staleness: the step's histogram
+  if writer is not None and _logs(cfg, step, "eval/accuracy" in m):
+    writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
+    if lags is not None:
+      writer.log_histogram(step, "staleness", [int(x) for x in lags])
 
 
 def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: float, workdir: str,
            start: int = 0, restored: set[int] = frozenset()):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
   steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone)."""
-  every = cfg.run.eval_every
-  seen = {"data_state": None, "in_flight": []}
+  seen = {"data_state": None, "in_flight": [], "landed": None}
 
   def in_flight(trajs: list) -> None:
     seen["in_flight"] = trajs
+
+  def on_landed(step: int, m: dict) -> None:
+    lags = m.get("_lags")
+    seen["landed"] = {"metrics": jsonable({k: v for k, v in m.items() if not k.startswith("_")}),
+                      "lags": None if lags is None else [int(x) for x in lags]}
 
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
@@ -186,23 +229,17 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       jax.profiler.stop_trace()  # view <workdir>/profile in Perfetto or TensorBoard's profile plugin
     _kill_point("trained", done)
     if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
-      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"])
+      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"], seen["landed"])
       _kill_point("saving", done)
+      _kill_point("saved", done, ckpt.wait if ckpt else None)  # committed; step `step`'s line not yet written
 
   def on_step(step: int, m: dict) -> None:
-    lags = m.pop("_lags", None)  # time/step_s, perf/tokens_per_s, perf/steps_per_hour: wall clock (loop.py)
-    if writer is not None and (step % cfg.run.log_every == 0 or "eval/accuracy" in m):
-      writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
-      if lags is not None:
-        writer.log_histogram(step, "staleness", lags.tolist())
+    _log_step(cfg, writer, step, m)
 
   def on_produced(step: int) -> None:
     _kill_point("rollout", step, ckpt.wait if ckpt else None)  # the middle of a step: rolled out, not yet trained
     if step == cfg.run.profile_step:  # trace from this batch's rollout end to its weights landing
       jax.profiler.start_trace(os.path.join(workdir, "profile"))
-
-  def should_eval(done: int) -> bool:
-    return bool(every) and done % every == 0 and done < cfg.run.steps
 
   spans_path = os.path.join(workdir, SPANS_FILE)
   kept = [r for r in read_spans(workdir) if r["step"] < start or (r["step"] in restored and r["phase"] in (
@@ -218,7 +255,8 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       with open(spans_path, "a") as f:
         f.write(json.dumps(entry) + "\n")
 
-  return loop_lib.LoopHooks(on_step=on_step, on_trained=on_trained, should_eval=should_eval,
+  return loop_lib.LoopHooks(on_step=on_step, on_landed=on_landed, on_trained=on_trained,
+                            should_eval=functools.partial(_should_eval, cfg),
                             on_produced=on_produced, on_span=on_span, in_flight=in_flight), seen
 
 
