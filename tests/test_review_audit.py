@@ -171,6 +171,8 @@ def test_is_correction_on_and_off():
   on = audit.staleness_audit(_cfg("async", eta=1, is_cap=2.0, is_mask_high=5.0))
   assert on.corrected and "min(pi_old/mu, is_cap=2.0)" in on.correction and "[-inf, 5.0]" in on.correction
   assert on.warnings == ()
+  seq = audit.staleness_audit(_cfg("async", eta=1, is_cap=2.0, is_mask_high=5.0, is_level="geometric")).correction
+  assert "min((prod_t pi_old/mu)^(1/len), is_cap=2.0) per sequence" in seq and "sequences whose ratio" in seq
   off = audit.staleness_audit(_cfg("async", eta=1, is_cap=None))
   assert not off.corrected and off.correction.startswith("not corrected")
   assert any("not corrected" in w and "eta=1" in w for w in off.warnings)

@@ -308,6 +308,30 @@ def test_truncated_is_weight_by_hand():
   assert float(jnp.abs(jax.jit(jax.grad(lambda o: truncated_is_weight(o, mu, mask)[0].sum()))(old)).sum()) == 0.0
 
 
+def test_sequence_level_is_weights_by_hand():
+  """The same raw ratios [0.5, 1, 3, 8] as one sequence, and a second sequence of ratios [2, 0.5] (one masked garbage
+  slot each), cap = 2. level sequence: Π = 12 -> min(12, 2) = 2 on every token of row 0; row 1 Π = 1 -> 1.
+  level geometric: 12^(1/4) = 1.86121 (under the cap) on row 0; row 1 (2 · 0.5)^(1/2) = 1. mask_high = 5 drops
+  all of row 0 under sequence (12 > 5), none under geometric (1.86 <= 5): masked_frac 4/6 and 0."""
+  mu = jnp.array([[-1.0, -2.0, -0.5, -3.0, GARBAGE], [-1.0, -0.3, GARBAGE, GARBAGE, GARBAGE]])
+  old = mu + jnp.log(jnp.array([[0.5, 1.0, 3.0, 8.0, 1.0], [2.0, 0.5, 1.0, 1.0, 1.0]]))
+  old = old.at[0, 4].set(-GARBAGE).at[1, 2:].set(-GARBAGE)
+  mask = jnp.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]], bool)
+  g = 12 ** 0.25
+  for level, want_w in (("sequence", [[2, 2, 2, 2, 0], [1, 1, 0, 0, 0]]),
+                        ("geometric", [[g, g, g, g, 0], [1, 1, 0, 0, 0]])):
+    w, keep, _ = _jit(truncated_is_weight, cap=2.0, level=level)(old, mu, mask)
+    np.testing.assert_allclose(w, want_w, rtol=1e-5, err_msg=level)
+    np.testing.assert_array_equal(keep, mask)
+  w, keep, m = _jit(truncated_is_weight, cap=2.0, mask_high=5.0, level="sequence")(old, mu, mask)
+  np.testing.assert_allclose(w, [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]], rtol=1e-5)
+  np.testing.assert_allclose(m["is/masked_frac"], 4 / 6, rtol=1e-5)
+  _, _, m = _jit(truncated_is_weight, cap=2.0, mask_high=5.0, level="geometric")(old, mu, mask)
+  assert float(m["is/masked_frac"]) == 0.0
+  with pytest.raises(ValueError, match="level='seq'; expected one of"):
+    truncated_is_weight(old, mu, mask, level="seq")
+
+
 def test_truncated_is_weight_on_policy_and_errors():
   """π_old == μ: every weight is exactly 1 and the ESS is 1."""
   logp, _, _, mask = _random_case(2)

@@ -341,12 +341,19 @@ def test_truncated_is_weight_scales_each_tokens_loss():
   logp_BT = fx.batch_logprobs(fns, params, batch)[0]
   mask_BT, sampler_BT = batch.mask_MBT[0], batch.sampler_logp_MBT[0]
   adv_B = np.asarray(adv_lib.grpo(batch.rewards_MB[0], G))
-  for cap in (None, 1.0, 1.2):
-    w_BT = np.ones_like(logp_BT) if cap is None else np.minimum(np.exp(logp_BT - sampler_BT), cap)
+  log_r_BT, wants = np.where(mask_BT > 0, logp_BT - sampler_BT, 0.0), {}
+  for cap, level in ((None, "token"), (1.0, "token"), (1.2, "token"), (1.2, "geometric")):
+    if level == "geometric":  # one weight a sequence: the geometric mean of its tokens' ratios, capped
+      log_r_BT = np.broadcast_to((log_r_BT * mask_BT).sum(1, keepdims=True) / mask_BT.sum(1, keepdims=True),
+                                 log_r_BT.shape)
+    w_BT = np.ones_like(logp_BT) if cap is None else np.minimum(np.exp(log_r_BT), cap)
     want = -(adv_B[:, None] * w_BT * mask_BT).sum() / mask_BT.sum()
-    _, _, m = fx.one_step(TrainConfig(loss=LossConfig(group_size=G, is_cap=cap)), batch, "toy")
-    np.testing.assert_allclose(m["loss"], want, rtol=1e-5, err_msg=f"is_cap={cap}")
-  assert 0 < (w_BT < 1.2)[mask_BT > 0].mean() < 1, "the cap must bind on some tokens and not others"
+    _, _, m = fx.one_step(TrainConfig(loss=LossConfig(group_size=G, is_cap=cap, is_level=level)), batch, "toy")
+    np.testing.assert_allclose(m["loss"], want, rtol=1e-5, err_msg=f"is_cap={cap} is_level={level}")
+    wants[cap, level] = want
+    if (cap, level) == (1.2, "token"):
+      assert 0 < (w_BT < 1.2)[mask_BT > 0].mean() < 1, "the cap must bind on some tokens and not others"
+  assert abs(wants[1.2, "geometric"] / wants[1.2, "token"] - 1) > 1e-3, "the levels must weigh this batch apart"
 
 
 def test_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_entropy():
@@ -462,6 +469,8 @@ def test_check_batch_rejects_what_cannot_split():
     (dict(temperature=float("inf")), r"temperature must be finite"),
     (dict(advantage="reinforce_pp", kl_in_reward=True), r"kl_in_reward=True .* needs kl_coef > 0"),
     (dict(is_mask_low=2.0, is_mask_high=1.0), r"is_mask_low=2.0 must be < is_mask_high=1.0"),
+    (dict(is_level="seq"), r"LossConfig.is_level='seq'; expected one of \('token', 'sequence', 'geometric'\)"),
+    (dict(is_cap=None, is_level="geometric"), r"is_level='geometric' says what the importance weight"),
 ])
 def test_loss_config_rejects_bad_settings_naming_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -149,16 +149,19 @@ def in_flight_text(mode: str, update_policy: str, continuous: bool = False) -> s
           "policy is the same.)")
 
 
-def correction_text(is_cap: float | None, mask_low: float | None, mask_high: float | None, eta: int
-                    ) -> tuple[str, bool, list[str]]:
+def correction_text(is_cap: float | None, mask_low: float | None, mask_high: float | None, eta: int,
+                    level: str = "token") -> tuple[str, bool, list[str]]:
   """(text, corrected, warnings) for the loss's off-policy correction (train/step.py, rl/offpolicy.py)."""
   masking = mask_low is not None or mask_high is not None
   bounds = f"[{'-inf' if mask_low is None else mask_low}, {'inf' if mask_high is None else mask_high}]"
   if is_cap is not None:
-    text = (f"truncated importance weight w = min(pi_old/mu, is_cap={is_cap}) per token against the sampler's "
+    ratio = {"token": "pi_old/mu", "sequence": "prod_t pi_old/mu", "geometric": "(prod_t pi_old/mu)^(1/len)"}[level]
+    per = "per token" if level == "token" else f"per sequence (rl.is_level={level}), on all its tokens"
+    text = (f"truncated importance weight w = min({ratio}, is_cap={is_cap}) {per} against the sampler's "
             "log-probs mu (rl/offpolicy.truncated_is_weight; its effective sample size is logged as is/ess)")
     if masking:
-      text += f"; tokens whose pi_old/mu lies outside {bounds} are masked out of the loss"
+      text += (f"; {'tokens' if level == 'token' else 'sequences'} whose ratio lies outside {bounds} are masked out "
+               "of the loss")
     return text, True, []
   gap = (f"tokens up to eta={eta} versions old are trained as if on-policy" if eta > 0 else
          "only the numeric sampler/trainer mismatch (e.g. bf16 vs fp32) remains, but it is not corrected")
@@ -188,7 +191,7 @@ def staleness_audit(cfg: RunConfig, histograms: list[dict] | None = None, *,
   """The staleness review of `cfg`; with a run's histograms (and/or metrics' "staleness/max"), what it observed."""
   mode, eta = cfg.topology.mode, (0 if cfg.topology.mode == "colocated" else cfg.run.max_staleness)
   policy, rl = cfg.rollout.update_policy, cfg.rl
-  correction, corrected, warnings = correction_text(rl.is_cap, rl.is_mask_low, rl.is_mask_high, eta)
+  correction, corrected, warnings = correction_text(rl.is_cap, rl.is_mask_low, rl.is_mask_high, eta, rl.is_level)
   per_step = _lag_counts(histograms or ())
   hist: dict[int, int] = {}
   for counts in per_step.values():

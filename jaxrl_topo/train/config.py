@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxrl_topo.rl.offpolicy import IS_LEVELS
 from jaxrl_topo.runtime.dataclass_io import check_ranges, check_types
 
 SCHEDULES = ("constant", "cosine")
@@ -68,6 +69,9 @@ class LossConfig:
   is_cap: float | None = 2.0  # truncated importance weight min(pi_old/mu, cap) vs the sampler; None = off
   is_mask_low: float | None = None  # drop tokens whose pi_old/mu lies outside [low, high]
   is_mask_high: float | None = None
+  # what one IS weight covers (rl/offpolicy.py): token | sequence (the product over the sequence) | geometric (its
+  # geometric mean, GSPO's own ratio form); sequence-level weights cap and mask whole sequences
+  is_level: str = "token"
   critic: str = "none"  # none | shared (value head on the policy backbone) | separate (own backbone)
   value_coef: float = 0.5
   value_clip: float = 0.2
@@ -116,6 +120,11 @@ class LossConfig:
     if self.is_cap is None and (self.is_mask_low is not None or self.is_mask_high is not None):
       raise ValueError("is_mask_low/is_mask_high mask tokens by the importance ratio that is_cap turns on; with "
                        "is_cap=None they would be ignored: set is_cap too")
+    if self.is_level not in IS_LEVELS:
+      raise ValueError(f"LossConfig.is_level={self.is_level!r}; expected one of {IS_LEVELS}")
+    if self.is_cap is None and self.is_level != "token":
+      raise ValueError(f"is_level={self.is_level!r} says what the importance weight of is_cap covers; with "
+                       "is_cap=None there is none: set is_cap too")
     if None not in (self.is_mask_low, self.is_mask_high) and not self.is_mask_low < self.is_mask_high:
       raise ValueError(f"is_mask_low={self.is_mask_low} must be < is_mask_high={self.is_mask_high}")
     check_ranges("LossConfig", self, group_size=">=1", epochs=">=1", minibatches=">=1", kl_coef=">=0",

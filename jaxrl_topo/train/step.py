@@ -151,7 +151,7 @@ def _token_terms(logp, ent, values, mb: dict, extra: dict, lc: LossConfig):
   metrics = {}
   if lc.is_cap is not None:
     w, keep, metrics = truncated_is_weight(old, mb["sampler_logp_MBT"], mask, cap=lc.is_cap,
-                                           mask_low=lc.is_mask_low, mask_high=lc.is_mask_high)
+                                           mask_low=lc.is_mask_low, mask_high=lc.is_mask_high, level=lc.is_level)
   else:
     w, keep = jnp.ones_like(logp), mask
   loss_BT, policy_metrics = _policy_loss(logp, old, extra["adv"], keep, lc)
