@@ -119,6 +119,24 @@ def test_cosine_schedule_and_global_norm_clip_by_hand():
   assert not np.allclose(unclipped, by_hand, rtol=1e-3), "the check must tell a clip from none"
 
 
+def test_weight_decay_mask_by_hand():
+  """Zero gradients, lr 0.5, weight_decay 0.1: AdamW's update is -lr x wd x param = -0.05 x param on what the mask
+  decays, 0 elsewhere. "all" decays the norm scale and the bias too; "matrices" only the 2-D kernel and embedding
+  (before: no way to keep a norm's scale out of the decay)."""
+  params = {"kernel": np.full((2, 3), 2.0, np.float32), "embed": np.ones((4, 2), np.float32),
+            "norm": {"scale": np.ones(3, np.float32)}, "bias": np.full(3, 4.0, np.float32)}
+  zeros = jax.tree.map(np.zeros_like, params)
+  for mask, decayed in (("all", {"kernel", "embed", "norm", "bias"}), ("matrices", {"kernel", "embed"})):
+    tx = make_optimizer(OptimConfig(lr=0.5, weight_decay=0.1, weight_decay_mask=mask))
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    for name in params:
+      want = jax.tree.map(lambda p: -0.05 * p if name in decayed else 0 * p, params[name])  # noqa: B023
+      jax.tree.map(lambda u, w: np.testing.assert_allclose(u, w, rtol=1e-6, err_msg=f"{mask}: {name}"),  # noqa: B023
+                   updates[name], want)
+  with pytest.raises(ValueError, match="weight_decay_mask='norms'; expected one of"):
+    OptimConfig(weight_decay_mask="norms")
+
+
 def test_a_non_finite_batch_rejects_every_update_of_the_step():
   """epochs=2 x minibatches=2: a NaN reward in one minibatch rejects the whole step (all four updates): the
   params and the optimizer state are as they were, and the rejection is counted once."""

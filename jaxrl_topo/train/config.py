@@ -15,6 +15,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 POLICY_LOSS_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}  # agg=None
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/core.py
 CRITICS = ("none", "shared", "separate")
+DECAY_MASKS = ("all", "matrices")  # OptimConfig.weight_decay_mask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,9 @@ class OptimConfig:
   b2: float = 0.999
   eps: float = 1e-8
   weight_decay: float = 0.0
+  # what weight_decay applies to: all (every trained parameter) | matrices (parameters of 2+ dims: the projections,
+  # embeddings, LoRA factors and value head; not the norms' scales or any bias)
+  weight_decay_mask: str = "all"
   max_grad_norm: float = 1.0  # 0 = no clipping
 
   def __post_init__(self):
@@ -38,6 +42,8 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.lr={self.lr} must be > 0")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"OptimConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+    if self.weight_decay_mask not in DECAY_MASKS:
+      raise ValueError(f"OptimConfig.weight_decay_mask={self.weight_decay_mask!r}; expected one of {DECAY_MASKS}")
     if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
       raise ValueError(f"cosine schedule needs total_steps > warmup_steps, got {self.total_steps=} "
                        f"{self.warmup_steps=}")

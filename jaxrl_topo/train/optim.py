@@ -5,6 +5,7 @@ Moments live in fp32 next to fp32 master params (optax keeps each moment in its 
 
 from __future__ import annotations
 
+import jax
 import optax
 
 from jaxrl_topo.train.config import OptimConfig
@@ -19,6 +20,11 @@ def learning_rate(cfg: OptimConfig) -> optax.Schedule:
   return optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
 
 
+def _matrices(params):
+  """True for the parameters of 2+ dims (projections, embeddings, LoRA factors); False for norm scales and biases."""
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
 def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
   """The chain; with several optimizer updates a train step (rl.epochs x rl.minibatches), the schedule still
   counts train steps (warmup_steps, total_steps): every update of a step takes that step's rate."""
@@ -29,5 +35,5 @@ def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Gradien
     return per_step(count // updates_per_step)
 
   adam = optax.adamw(per_step if updates_per_step == 1 else per_update, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
+                     weight_decay=cfg.weight_decay, mask=_matrices if cfg.weight_decay_mask == "matrices" else None)
   return optax.chain(*clip, adam)
