@@ -7,14 +7,13 @@
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
-A completion that contains a --stop string ends right after it (its tokens and log-probs cut to the
-shortest prefix whose text holds the stop string; finish_reason "stop"). Checked before any work: the
-flag values (--greedy ignores the sampling flags), the model directory (config.json, the weights' headers),
---out (a writable file, not --prompts), every prompt line, and every prompt + max_new_tokens against the
-model's position limit (max_position_embeddings).
+A completion that contains a --stop string ends right after it: the engine stops decoding it there, its
+tokens and log-probs cut to the shortest prefix whose text holds the stop string (finish_reason "stop").
+Checked before any work: the flag values (--greedy ignores the sampling flags), the model directory
+(config.json, the weights' headers), --out (a writable file, not --prompts), every prompt line, and every
+prompt + max_new_tokens against the model's position limit (max_position_embeddings).
 """
 
-import json
 import os
 from collections.abc import Sequence
 
@@ -94,35 +93,16 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
   return tokenizer
 
 
-def apply_stops(rows: list[dict], tokenizer, stops: Sequence[str]) -> list[dict]:
-  """Each row cut right after the first stop string its text contains (finish_reason "stop")."""
-  out = []
-  for r in rows:
-    text = r.get("text") or ""
-    if not any(s in text for s in stops):
-      out.append(r)
-      continue
-    ids = r["completion_ids"]
-    k = next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stops))
-    out.append({**r, "completion_ids": ids[:k], "logprobs": r["logprobs"][:k], "text": tokenizer.decode(ids[:k]),
-                "finish_reason": "stop"})
-  return out
-
-
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   engine = generate.engine_knobs(_ENGINE())  # a bad value fails here, first
   sampling = check_flags()
-  tokenizer = check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
+  check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
-                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine)
-  if _STOP.value:
-    rows = apply_stops(rows, tokenizer, _STOP.value)
-    with open(_OUT.value, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
+                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine, stop=_STOP.value)
   stops = sum(r["finish_reason"] == "stop" for r in rows)
   print(f"wrote {len(rows)} completions to {_OUT.value} ({stops} stopped, {len(rows) - stops} hit the length limit)")
 

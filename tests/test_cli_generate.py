@@ -75,7 +75,7 @@ def test_stop_strings_end_a_completion(tmp_path, model):
   """Before: there was no --stop flag (absl rejected it). The engine's log line names the read --read chose."""
   p = _prompts(tmp_path / "in.jsonl", ["abcabc", "hello"])
   out = tmp_path / "o.jsonl"
-  # --read=window in both runs: the stop cut is applied after generation, whatever the read
+  # --read=window in both runs: the engine ends a completion at its stop string, whatever the read
   r = _run(GENERATE, f"--model={model}", f"--prompts={p}", f"--out={out}", "--greedy", "--max_new_tokens=12",
            "--read=window")
   assert r.returncode == 0, r.stderr[-3000:]

@@ -64,6 +64,41 @@ def test_batch_size_and_slot_do_not_change_outputs(tmp_path):
   assert [c.completion_ids for c in one] != [c.completion_ids for c in other_seed]
 
 
+def test_stop_strings_end_completions_in_the_engine_and_in_the_dense_decoder(tmp_path, monkeypatch):
+  """One character a token: a stop string of completion 0's tokens 3-4 ends it after token 4 in both decoders, as
+  cutting the full completion would; the engine retires it there (fewer decoded tokens; before, generation ran to
+  max_new_tokens and the launcher cut the text afterwards)."""
+  model = make_hf_model("llama", seed=4)
+  model.save_pretrained(str(tmp_path))
+  _, graphdef, params = hf_io.load_model(str(tmp_path), dtype="float32")
+  detok = lambda ids: "".join(chr(0x100 + t) for t in ids)  # noqa: E731
+  decode = DecodeConfig(max_new_tokens=MAX_NEW)
+  busy = []
+  run = generate.RolloutEngine.run
+
+  def counted(self, *args, **kwargs):
+    out = run(self, *args, **kwargs)
+    busy.append(self.stats["busy_steps"])
+    return out
+
+  monkeypatch.setattr(generate.RolloutEngine, "run", counted)
+  chunks = {"decode_chunk": 2, "tail_chunk": 2, "max_chunk": 0}  # the host sees every 2 steps' tokens
+  full = generate.generate_ids(graphdef, params, PROMPTS, decode, batch_size=4, engine=chunks)
+  stop = detok(full[0].completion_ids[3:5])
+  for impl in ("paged", "dense"):
+    got = generate.generate_ids(graphdef, params, PROMPTS, decode, batch_size=4, impl=impl, stop_strings=stop,
+                                detokenize=detok, engine=chunks)
+    for want, c in zip(full, got, strict=True):
+      n = next((k for k in range(1, len(want.completion_ids) + 1) if stop in detok(want.completion_ids[:k])), None)
+      assert c.completion_ids == want.completion_ids[:n], impl
+      np.testing.assert_allclose(c.logprobs, want.logprobs[:n], atol=1e-6)
+      assert c.finish_reason == ("stop" if n else want.finish_reason), impl
+    assert got[0].finish_reason == "stop" and len(got[0].completion_ids) <= 5
+  assert busy[1] < busy[0], "the engine must stop decoding a completion at its stop string"
+  with pytest.raises(ValueError, match="they need detokenize="):
+    generate.generate_ids(graphdef, params, PROMPTS, decode, stop_strings=("x",))
+
+
 def test_decode_compiles_once_per_bucket(tmp_path):
   model = make_hf_model("llama", seed=3)
   model.save_pretrained(str(tmp_path))

@@ -30,6 +30,7 @@ from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.engine_config import engine_options
+from jaxrl_topo.rollout.requests import stop_string_end
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -96,18 +97,25 @@ class Completion:
 def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: DecodeConfig, *, seed: int = 0,
                  batch_size: int = 8, vocab_size: int | None = None, mesh=None, progress: bool = False,
                  impl: str = "paged", page_size: int = 16, read: str = "auto",
-                 engine: Mapping[str, Any] | None = None) -> list[Completion]:
+                 engine: Mapping[str, Any] | None = None, stop_strings: Sequence[str] = (),
+                 detokenize=None) -> list[Completion]:
   """Completions for `prompts` in order; sequence i samples with keys from (seed, i, position).
 
   impl="paged" runs the rollout engine (continuous batching over `batch_size` slots, a KV pool
   big enough that nothing is ever preempted; `read`: its paged decode read, EngineConfig.impl;
   `engine`: other EngineConfig knobs by name, e.g. {"kv_dtype": "bfloat16", "min_pack_rows": 4});
   impl="dense" the reference decoder in fixed batches. Both draw the same keys, so they give the same tokens.
+  `stop_strings`: a completion ends right after the shortest prefix whose text (`detokenize(ids)`) holds one
+  (finish_reason "stop"); the engine retires it there and frees its slot, the dense decoder cuts it afterwards.
   No prompts: no completions (as RolloutEngine.run([])). A prompt whose length + decode.max_new_tokens passes the
   model's position limit (max_position_embeddings) is refused before anything compiles."""
   engine = engine_knobs(engine)
   if impl not in ("paged", "dense"):
     raise ValueError(f"impl={impl!r}; expected 'paged' or 'dense'")
+  stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+  if stop_strings and (detokenize is None or not all(stop_strings)):
+    raise ValueError(f"stop_strings={stop_strings!r}: each must be non-empty, and they need detokenize= (the text "
+                     "of a completion)")
   if not prompts:
     return []
   cfg = nnx.merge(graphdef, params).cfg
@@ -121,7 +129,8 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
                        f"position limit {cfg.max_position} (max_position_embeddings)")
   if impl == "paged":
     return _generate_paged(cfg, graphdef, params, prompts, decode, seed=seed, n_slots=batch_size, mesh=mesh,
-                           progress=progress, page_size=page_size, read=read, engine=engine)
+                           progress=progress, page_size=page_size, read=read, engine=engine, stops=stop_strings,
+                           detokenize=detokenize)
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a bucket
   batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
   key = jax.random.key(seed)
@@ -137,7 +146,10 @@ def generate_ids(graphdef, params, prompts: Sequence[Sequence[int]], decode: Dec
     args = [jax.device_put(a, batch_sharding) for a in (rows, lens, seq_ids)]
     toks, lps, n, stopped = jax.device_get(generate_dense(graphdef, params, *args, key, decode=decode))
     for r, i in enumerate(idx):
-      out[i] = Completion(toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist(), "stop" if stopped[r] else "length")
+      ids, cut = toks[r, : n[r]].tolist(), None
+      if stop_strings:
+        cut = stop_string_end(ids, 0, stop_strings, detokenize)
+      out[i] = Completion(ids[:cut], lps[r, : n[r]].tolist()[:cut], "stop" if stopped[r] or cut else "length")
   return [out[i] for i in range(len(prompts))]
 
 
@@ -151,12 +163,12 @@ def engine_knobs(engine: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _generate_paged(cfg, graphdef, params, prompts, decode: DecodeConfig, *, seed, n_slots, mesh, progress,
-                    page_size, read: str, engine: dict[str, Any]):
+                    page_size, read: str, engine: dict[str, Any], stops: tuple[str, ...], detokenize):
   max_len = -(-(max(map(len, prompts)) + decode.max_new_tokens) // page_size) * page_size
   ecfg = EngineConfig(n_slots=n_slots, page_size=page_size, n_pages=n_slots * (max_len // page_size),
                       max_len=max_len, min_bucket=_MIN_BUCKET, sampling=decode.sampling, eos_ids=decode.eos_ids,
                       pad_id=decode.pad_id, impl=read, **engine)
-  rollout = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh)
+  rollout = RolloutEngine(graphdef, cfg, params, ecfg, seed=seed, mesh=mesh, detokenize=detokenize)
   logging.info("rollout engine: %d slots, %d pages of %d tokens, decode read %s, KV %s", n_slots, ecfg.n_pages,
                page_size, rollout.impl, ecfg.kv_dtype or "in the compute dtype")
   bar = tqdm.tqdm(total=len(prompts), desc="generate", unit="seq", disable=not progress)
@@ -165,7 +177,8 @@ def _generate_paged(cfg, graphdef, params, prompts, decode: DecodeConfig, *, see
     bar.update(eng.stats["finished"] - bar.n)
 
   progress_bar.needs_boundaries = False  # any chunk's end will do: chunks may grow (EngineConfig.max_chunk)
-  samples = rollout.run([Request(p, max_new_tokens=decode.max_new_tokens) for p in prompts], on_chunk=progress_bar)
+  samples = rollout.run([Request(p, max_new_tokens=decode.max_new_tokens, stop_strings=stops) for p in prompts],
+                        on_chunk=progress_bar)
   bar.close()
   return [Completion(s.tokens, s.logprobs, s.finish_reason) for s in samples]
 
@@ -173,13 +186,15 @@ def _generate_paged(cfg, graphdef, params, prompts, decode: DecodeConfig, *, see
 def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,
         sampling: SamplingConfig = SamplingConfig(greedy=True), seed: int = 0, chat: bool = False,
         batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1, read: str = "auto",
-        engine: Mapping[str, Any] | None = None) -> list[dict]:
-  """Reads prompts, generates, writes `out_path`; returns the written rows. `engine`: EngineConfig knobs by name
-  (generate_ids)."""
+        engine: Mapping[str, Any] | None = None, stop: Sequence[str] = ()) -> list[dict]:
+  """Reads prompts, generates, writes `out_path`; returns the written rows. `engine`: EngineConfig knobs by name;
+  `stop`: stop strings, each completion ending right after the first it holds (generate_ids)."""
   engine = engine_knobs(engine)
   check_sizes(batch_size, data, tensor)
   check_out_file(out_path, "out_path")
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+  if stop and tokenizer is None:
+    raise ValueError(f"stop strings need the text of completions: {model_dir} has no tokenizer.json")
   prompts = read_prompts(prompts_path, tokenizer, chat, hf_io.read_config(model_dir).vocab_size)
   mesh = make_mesh({"data": data, "tensor": tensor}, jax.devices()[: data * tensor]) if data * tensor > 1 else None
   cfg, graphdef, params = hf_io.load_model(model_dir, mesh, ROLLOUT_RULES if mesh else None, dtype=dtype)
@@ -190,7 +205,7 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
   decode = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos), pad_id=pad)
   completions = generate_ids(graphdef, params, prompts, decode, seed=seed, batch_size=batch_size,
                              vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read,
-                             engine=engine)
+                             engine=engine, stop_strings=stop, detokenize=tokenizer.decode if stop else None)
   rows = [dict(completion_ids=c.completion_ids, text=tokenizer.decode(c.completion_ids) if tokenizer else None,
                logprobs=c.logprobs, finish_reason=c.finish_reason) for c in completions]
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
