@@ -477,9 +477,11 @@ def test_the_rollout_config_reaches_the_engine():
 
   rc = _cfg("colocated", 1, **{"rollout.min_window_tokens": 16, "rollout.max_chunk": 64, "rollout.impl": "bucketed",
                                "rollout.page_size": 4, "data.max_prompt_len": 10, "rollout.max_new_tokens": 5,
-                               "rollout.min_pack_rows": 4})
+                               "rollout.min_pack_rows": 4, "rollout.tail_chunk": 6, "rollout.overlap": False,
+                               "rollout.min_bucket": 8})
   e = engine_config(rc, (2,), 0)
   assert (e.min_window_tokens, e.max_chunk, e.impl, e.page_size, e.min_pack_rows) == (16, 64, "bucketed", 4, 4)
+  assert (e.tail_chunk, e.overlap, e.min_bucket) == (6, False, 8)
   assert e.max_len == 16 and e.n_pages == 16 * 4 and e.window_min_pages == 4 and e.eos_ids == (2,)
   e = engine_config(_cfg("colocated", 1, **{"rollout.impl": "pallas", "rollout.pallas_splits": 3}), (2,), 0)
   assert (e.impl, e.pallas_splits) == ("pallas", 3)

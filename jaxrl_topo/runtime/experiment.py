@@ -190,11 +190,10 @@ def engine_config(cfg: RunConfig, eos_ids: tuple[int, ...], pad_id: int) -> Engi
   rollout = cfg.rollout
   max_len = -(-(cfg.data.max_prompt_len + rollout.max_new_tokens) // rollout.page_size) * rollout.page_size
   n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
-  return EngineConfig(n_slots=rollout.n_slots, page_size=rollout.page_size, n_pages=n_pages, max_len=max_len,
-                      decode_chunk=rollout.decode_chunk, sampling=rollout.sampling, kv_dtype=rollout.kv_dtype,
-                      impl=rollout.impl, max_chunk=rollout.max_chunk, min_window_tokens=rollout.min_window_tokens,
-                      min_pack_rows=rollout.min_pack_rows, pallas_splits=rollout.pallas_splits, eos_ids=eos_ids,
-                      pad_id=pad_id)
+  same = ("n_slots", "page_size", "decode_chunk", "sampling", "kv_dtype", "impl", "max_chunk", "tail_chunk", "overlap",
+          "min_bucket", "min_window_tokens", "min_pack_rows", "pallas_splits")  # rollout.* of the same name
+  return EngineConfig(n_pages=n_pages, max_len=max_len, eos_ids=eos_ids, pad_id=pad_id,
+                      **{k: getattr(rollout, k) for k in same})
 
 
 def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:

@@ -99,6 +99,11 @@ class RolloutSpec:
   # with nobody watching chunk boundaries (colocated batches, launchers/generate.py) a chunk doubles up to
   # this many decode steps while its longest row needs them (fewer host round trips); 0: chunks of 4 x decode_chunk
   max_chunk: int = 256
+  # with the loop watching chunk boundaries (disaggregated, async, episodes), steps per chunk: how often weights may
+  # land and groups free their slots, against host round trips; 0: 4 x decode_chunk
+  tail_chunk: int = 0
+  overlap: bool = True  # dispatch decode chunk k+1 before reading chunk k's tokens (host and device work overlap)
+  min_bucket: int = 16  # prompts are prefilled padded to a power of two >= this (fewer programs, more padding)
   update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
@@ -135,7 +140,9 @@ class RolloutSpec:
     if self.pallas_splits and self.impl not in ("auto", "pallas"):
       raise ValueError(f"rollout.pallas_splits={self.pallas_splits} sets the Pallas kernel; rollout.impl="
                        f"{self.impl!r} never runs it (use 'pallas', or 'auto' on a GPU)")
-    for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk"):
+    if self.tail_chunk < 0:
+      raise ValueError(f"rollout.tail_chunk={self.tail_chunk} must be >= 0 (0: 4 x decode_chunk)")
+    for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
     if self.n_pages < 0:
@@ -147,9 +154,6 @@ class RolloutSpec:
   @property
   def sampling(self) -> SamplingConfig:
     return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
-
-
-ON_ERROR = ("score", "drop")
 
 
 MODEL_REWARD = "model"  # the reward model's name among the reward functions
