@@ -8,7 +8,8 @@
 Clients speak JetStream's protocol (jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub: Decode,
 HealthCheck), with text (the model's tokenizer.json) or token ids. The engine is the RL loop's paged
 rollout engine on a rollout mesh of --data x --tensor devices (--read, --kv_dtype, --min_pack_rows,
---min_window_tokens and --pallas_splits set its knobs, as in launchers/generate.py). Ctrl-C or SIGTERM stops the server;
+--min_window_tokens and --pallas_splits set its knobs, as in launchers/generate.py). Greedy by default;
+--nogreedy samples with --temperature, --top_p, --top_k and --min_p. Ctrl-C or SIGTERM stops the server;
 SIGUSR1 prints every thread's stack.
 """
 
@@ -35,6 +36,9 @@ _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollou
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _GREEDY = flags.DEFINE_bool("greedy", True, "Arg-max decoding; --nogreedy samples at --temperature.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Softmax temperature when sampling.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "With --nogreedy: nucleus mass in (0, 1]; 1 = off.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "With --nogreedy: keep the k most likely tokens; 0 = off.")
+_MIN_P = flags.DEFINE_float("min_p", 0.0, "With --nogreedy: keep tokens with p >= min_p * max p; 0 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _FOLLOW = flags.DEFINE_float("follow_s", 0.0, "With --workdir: every N seconds, swap in the run's newest "
                              "checkpoint if it is newer (gen_id = its step); 0 = serve one checkpoint.")
@@ -52,7 +56,8 @@ def main(argv: Sequence[str]) -> None:
   server.require_jetstream()
   sc = server.ServeConfig(slots=_SLOTS.value, max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
                           decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
-                          greedy=_GREEDY.value, temperature=_TEMPERATURE.value, seed=_SEED.value, policy=_POLICY.value,
+                          greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
+                          min_p=_MIN_P.value, seed=_SEED.value, policy=_POLICY.value,
                           read=_READ.value, engine=_ENGINE())
   server.check_port(_PORT.value)  # before loading anything
   if _FOLLOW.value and not _WORKDIR.value:

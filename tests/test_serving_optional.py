@@ -33,3 +33,15 @@ def test_serve_without_the_extra_names_the_pip_command(tmp_path):
                      capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode != 0
   assert "pip install -e '.[jetstream]'" in r.stderr, r.stderr[-2000:]
+
+
+def test_serve_configs_sampling_is_checked_without_the_extra():
+  """ServeConfig's (launchers/serve.py's) top_p / top_k / min_p (before: serving sampled at a temperature only)."""
+  from jaxrl_topo.rollout.sampling import SamplingConfig
+  from jaxrl_topo.serving.server import ServeConfig
+
+  sc = ServeConfig(greedy=False, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05)
+  assert sc.sampling == SamplingConfig(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05)
+  assert ServeConfig(top_k=5).sampling == SamplingConfig(greedy=True)  # greedy ignores them
+  with pytest.raises(ValueError, match="top_p must be in"):
+    ServeConfig(greedy=False, top_p=0.0)

@@ -196,9 +196,10 @@ def test_the_engine_knobs_are_serve_config_keys(model_dir):
   """ServeConfig.engine (launchers/serve.py --kv_dtype, --min_pack_rows, --min_window_tokens) reaches the engine;
   what build_engine sets itself, or a bad value, is refused before anything loads."""
   knobs = {"kv_dtype": "bfloat16", "min_pack_rows": 4, "min_window_tokens": 32}
-  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, engine=knobs))
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, engine=knobs, greedy=False, top_k=5))
   e = js_engine.engine
   assert (e.ecfg.kv_dtype, e.ecfg.min_pack_rows, e.ecfg.min_window_tokens) == ("bfloat16", 4, 32)
+  assert (e.ecfg.sampling.greedy, e.ecfg.sampling.top_k) == (False, 5)  # --nogreedy --top_k=5
   assert e.state.cache.k_LPSKH.dtype == jnp.bfloat16 and e.cfg.dtype == "float32"
   hash(dataclasses.replace(SC, engine=knobs))  # a frozen config stays hashable
   with pytest.raises(ValueError, match=r"engine options \['n_slots'\]: serving sets"):

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from jaxrl_topo.rollout.engine_config import engine_options
+from jaxrl_topo.rollout.sampling import SamplingConfig
 
 INSTALL_HINT = "pip install -e '.[jetstream]'  (google-jetstream 0.2.2; it pulls TensorFlow, about 3 GB)"
 
@@ -89,7 +90,10 @@ class ServeConfig:
   tensor: int = 1
   dtype: str = "float32"
   greedy: bool = True
-  temperature: float = 1.0
+  temperature: float = 1.0  # when not greedy, as are top_p, top_k and min_p (rollout/sampling.py)
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
   seed: int = 0
   policy: str = "finish_on_old"  # how a hot weight swap lands
   read: str = "auto"  # the engine's paged decode read (EngineConfig.impl; rollout/paged.py)
@@ -107,7 +111,14 @@ class ServeConfig:
       raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
     if self.slots % self.data:
       raise ValueError(f"slots={self.slots} must split over data={self.data}")
+    self.sampling  # noqa: B018  (validates temperature / top-k / top-p / min-p now)
     object.__setattr__(self, "engine", tuple(sorted(engine_options(self.engine, _SERVE_SETS, "serving").items())))
+
+  @property
+  def sampling(self) -> SamplingConfig:
+    if self.greedy:
+      return SamplingConfig(greedy=True)
+    return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
 
 
 def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
@@ -171,7 +182,6 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
   from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
-  from jaxrl_topo.rollout.sampling import SamplingConfig
   from jaxrl_topo.serving.jetstream_engine import JetStreamEngine
   from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
 
@@ -188,7 +198,7 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   max_len -= max_len % sc.page_size
   ecfg = EngineConfig(n_slots=sc.slots, page_size=sc.page_size, n_pages=sc.slots * (max_len // sc.page_size),
                       max_len=max_len, decode_chunk=sc.decode_chunk, eos_ids=eos, pad_id=pad,
-                      sampling=SamplingConfig(greedy=sc.greedy, temperature=sc.temperature), impl=sc.read,
+                      sampling=sc.sampling, impl=sc.read,
                       **dict(sc.engine))
   engine = RolloutEngine(graphdef, cfg, params, ecfg, gen_id=gen_id, seed=sc.seed, mesh=mesh,
                          detokenize=tokenizer.decode if tokenizer else None)
