@@ -21,6 +21,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -182,6 +183,27 @@ def launch(main: Callable[[list[str]], None]) -> None:
     if pid:
       print(f"error: {pid}{type(e).__name__}: {message(e)}", file=sys.stderr)
     _leave(USER_ERROR_EXIT if is_user_error(e) else 1)
+
+
+def define_distributed_flags() -> Callable[[], Any]:
+  """--coordinator, --num_processes, --process_id: an explicit jax.distributed set-up (all three or none; none: the
+  JAXRL_* variables launchers/local_multiprocess.py sets, then the cluster's own, else one process). Returns a
+  function giving their runtime.distributed.DistributedConfig; call it first: a partial set-up raises there."""
+  caller = sys._getframe(1).f_globals.get("__name__")
+  where = {"module_name": sys.argv[0] if caller == "__main__" else caller}
+  coord = flags.DEFINE_string("coordinator", None, "host:port of process 0 (explicit jax.distributed set-up, with "
+                              "--num_processes and --process_id; default: the environment's).", **where)
+  count = flags.DEFINE_integer("num_processes", None, "Processes in the job (explicit set-up).", **where)
+  index = flags.DEFINE_integer("process_id", None, "This process's index (explicit set-up).", **where)
+
+  def config():
+    from jaxrl_topo.runtime.distributed import DistributedConfig
+
+    try:
+      return DistributedConfig(coordinator=coord.value, num_processes=count.value, process_id=index.value)
+    except ValueError as e:
+      raise ValueError(f"--coordinator/--num_processes/--process_id: {e}") from None
+  return config
 
 
 def define_engine_flags() -> Callable[[], dict]:

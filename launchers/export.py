@@ -19,6 +19,7 @@ _OUT = flags.DEFINE_string("out", None, "Output HF directory (new, empty, or an 
                            required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Saved dtype (default: the params' own).")
+_DISTRIBUTED = cli.define_distributed_flags()
 
 
 def main(argv: Sequence[str]) -> None:
@@ -27,8 +28,9 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.runtime import distributed, run
   from jaxrl_topo.runtime.workdir import check_export_out
 
+  dist = _DISTRIBUTED()  # a partial explicit set-up fails here, first
   check_export_out(_WORKDIR.value, _OUT.value)  # before anything loads (run.export checks it again)
-  distributed.initialize()
+  distributed.initialize(dist)
   step = run.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
   print(f"wrote the policy of step {step} to {_OUT.value}")
 

@@ -18,7 +18,7 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.models.presets import PRESETS, get_preset
-from jaxrl_topo.runtime.distributed import DistributedConfig, initialize
+from jaxrl_topo.runtime.distributed import initialize
 from jaxrl_topo.topology.carve import TopologyConfig
 from jaxrl_topo.topology.sync_check import run_sync_check
 
@@ -34,9 +34,7 @@ _KV_HEADS = flags.DEFINE_integer("n_kv_heads", None, "Override the preset's kv h
                                  lower_bound=1)
 _BUCKET_MB = flags.DEFINE_float("bucket_mb", 64, "Transfer bucket size in MiB.")
 _VERSIONS = flags.DEFINE_integer("versions", 2, "Weight versions to sync (gen_id 1..N).", lower_bound=1)
-_COORD = flags.DEFINE_string("coordinator", None, "host:port of process 0 (explicit multi-process set-up).")
-_NPROC = flags.DEFINE_integer("num_processes", None, "Processes in the job (explicit set-up).")
-_PID = flags.DEFINE_integer("process_id", None, "This process's index (explicit set-up).")
+_DISTRIBUTED = cli.define_distributed_flags()
 
 
 def _axes(spec: str, flag: str) -> dict[str, int]:
@@ -54,7 +52,7 @@ def _axes(spec: str, flag: str) -> dict[str, int]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  initialize(DistributedConfig(coordinator=_COORD.value, num_processes=_NPROC.value, process_id=_PID.value))
+  initialize(_DISTRIBUTED())
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   overrides = {"n_kv_heads": _KV_HEADS.value} if _KV_HEADS.value else {}
   model_cfg = get_preset(_PRESET.value, **overrides)

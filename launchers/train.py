@@ -28,6 +28,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, met
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Start the workdir over: delete its checkpoints, init_model and metrics "
                            "(once the config, data and devices have passed their checks).")
+_DISTRIBUTED = cli.define_distributed_flags()
 
 
 def preflight(cfg) -> None:
@@ -57,6 +58,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/grpo_task.py:tiny")
+  dist = _DISTRIBUTED()  # a partial explicit set-up fails here, first
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
   from jaxrl_topo.runtime.workdir import (
@@ -78,7 +80,7 @@ def main(argv: Sequence[str]) -> None:
     check_fresh(workdir)  # --fresh deletes a run's folders: refused while they hold anything else
   else:
     check_workdir(cfg, workdir)  # before config.json is overwritten
-  distributed.initialize()
+  distributed.initialize(dist)
   import jax
 
   from jaxrl_topo.runtime import run

@@ -7,6 +7,7 @@ all 8 devices), syncs two weight versions in each, and checks every shard bit fo
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -50,6 +51,12 @@ def test_distributed_config_errors_name_what_is_missing():
     DistributedConfig.from_env({"JAXRL_COORDINATOR": "h:1", "JAXRL_NUM_PROCESSES": "2"})
   assert DistributedConfig.from_env({}) == DistributedConfig()
   assert initialize(None, environ={}) == "single"  # no cluster, no flags: nothing to start
+  # The launchers' flags: a partial explicit set-up is a one-line error before anything starts
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "train.py"), "--config=" + os.path.join(
+      ROOT, "configs", "grpo_task.py") + ":tiny", f"--workdir={os.devnull}x", "--coordinator=localhost:1"],
+      capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "--coordinator/--num_processes/--process_id: explicit jax.distributed set-up needs" in r.stderr
 
 
 def test_sync_check_single_process_disaggregated():
@@ -122,11 +129,19 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   for k in ("final_reward_mean", "steps_per_hour", "tokens_per_s", "wall_s"):  # the run's figures survive
     assert second[k] == first[k] is not None, k
   # Exported under two processes: process 1 holds no trainer device, so it neither reads the checkpoint (before: it
-  # tried, and failed) nor writes; the weights equal a one-process export's.
+  # tried, and failed) nor writes; the weights equal a one-process export's. Set up by the launcher's own flags
+  # (--coordinator, --num_processes, --process_id; before, only environment variables could), not by
+  # local_multiprocess's environment.
+  port = local_multiprocess.free_port()
   export = [sys.executable, os.path.join(ROOT, "launchers", "export.py"), f"--workdir={tmp_path / 'mp'}",
-            f"--out={tmp_path / 'hf2'}"]
-  rc = local_multiprocess.run(export, num_processes=2, devices_per_process=4, timeout_s=300)
-  assert rc == 0, f"the export failed (rc={rc}):\n{capfd.readouterr().out[-5000:]}"
+            f"--out={tmp_path / 'hf2'}", f"--coordinator=localhost:{port}", "--num_processes=2"]
+  envs = [{k: v for k, v in local_multiprocess.child_env(i, 2, port, 4).items() if not k.startswith("JAXRL_")}
+          for i in range(2)]
+  logs = [tmp_path / f"export{i}.log" for i in range(2)]
+  procs = [subprocess.Popen([*export, f"--process_id={i}"], env=envs[i], stdout=logs[i].open("w"),
+                            stderr=subprocess.STDOUT) for i in range(2)]
+  codes = [p.wait(timeout=300) for p in procs]
+  assert codes == [0, 0], "the export failed:\n" + "\n".join(log.read_text()[-3000:] for log in logs)
   run_lib.export(str(tmp_path / "mp"), str(tmp_path / "hf1"))
   assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors").read_bytes()
 
