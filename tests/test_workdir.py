@@ -118,6 +118,21 @@ def test_a_group_larger_than_the_slots_is_a_config_error():
   from_config_dict(_config(**shards, **{"rl.group_size": 2}))
 
 
+def test_topology_roles_other_than_the_reward_models_are_a_config_error():
+  """Before: topology.roles = {"reference": "rollout"} was accepted and ignored (the reference stayed on the
+  trainer); only the reward model's role moves in a run."""
+  import ml_collections
+
+  def with_roles(roles):
+    d = _config().to_dict()
+    d["topology"]["roles"] = roles
+    return from_config_dict(ml_collections.ConfigDict(d))
+
+  with pytest.raises(ValueError, match=r"topology.roles moves \{'reference': 'rollout'\}: a run keeps actor"):
+    with_roles({"reference": "rollout"})
+  assert dict(with_roles({"reward": "rollout", "actor": "trainer"}).topology.roles)["reward"] == "rollout"
+
+
 def test_identity_is_what_json_reads_back(tmp_path):
   cfg = from_config_dict(_config(**{"lora.rank": 4}))
   workdir.write_identity(cfg, str(tmp_path))

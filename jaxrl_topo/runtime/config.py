@@ -28,7 +28,7 @@ from typing import Any
 from jaxrl_topo.data.pipeline import PromptDataConfig
 from jaxrl_topo.runtime.dataclass_io import build_dataclass, config_defaults, plain
 from jaxrl_topo.runtime.sections import EnvSpec, ModelSpec, RewardSpec, RolloutSpec, RunSpec, SyncSpec, TrainSpec
-from jaxrl_topo.topology.carve import TopologyConfig
+from jaxrl_topo.topology.carve import DEFAULT_ROLES, TopologyConfig
 from jaxrl_topo.train.config import LoraConfig, LossConfig, OptimConfig, TrainConfig
 
 
@@ -55,6 +55,11 @@ class RunConfig:
       object.__setattr__(self, "run", dataclasses.replace(self.run, max_staleness=0))  # nothing overlaps
     if mode == "async" and self.run.max_staleness < 1:
       raise ValueError("async mode needs run.max_staleness >= 1 (eta, in weight versions)")
+    fixed = {r: p for r, p in DEFAULT_ROLES if r != "reward"}
+    moved = {r: p for r, p in self.topology.roles if r in fixed and p != fixed[r]}
+    if moved:  # only the reward model's role moves in a run (runtime/experiment.py); the rest would be ignored
+      raise ValueError(f"topology.roles moves {moved}: a run keeps actor, reference and critic on the trainer pool "
+                       "and the engine on the rollout pool; only 'reward' (a reward model) may be mapped")
     if self.rl.temperature != self.rollout.temperature:
       raise ValueError(f"rl.temperature={self.rl.temperature} must equal rollout.temperature="
                        f"{self.rollout.temperature}: the trainer recomputes the sampler's log-probs")
