@@ -248,6 +248,14 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(kill_at, resumed_from
   want, got = comparable(read_metrics(str(launched / "ref"))), comparable(read_metrics(str(run)))
   assert [r["step"] for r in got] == list(range(6))
   assert "eval/accuracy" in got[3] and read_histograms(str(run)) == read_histograms(str(launched / "ref"))
+  if kill_at == "saved:4":
+    # A relaunch that trains nothing leaves the run's config.json as it was (before: it recorded the new lr)
+    recorded = (run / "config.json").read_text()
+    again = _launch(run, steps=6, cache_dir=launched / "cache", **{"optim.lr": 0.5})
+    assert again.returncode == 0 and (run / "config.json").read_text() == recorded, again.stderr[-3000:]
+    # Another batch size cannot continue the prompts where the checkpoint left them: refused, saying what changed
+    more = _launch(run, steps=8, cache_dir=launched / "cache", **{"data.batch_size": 8})
+    assert more.returncode == 2 and "this launch changes data.batch_size: 4 -> 8" in more.stderr, more.stderr[-3000:]
   assert all(r["grad_norm"] > 0 for r in want), "steps that move no weight would make any resume look exact"
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
 

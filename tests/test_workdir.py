@@ -118,6 +118,17 @@ def test_a_group_larger_than_the_slots_is_a_config_error():
   from_config_dict(_config(**shards, **{"rl.group_size": 2}))
 
 
+def test_a_bad_run_steps_is_reported_as_itself(tmp_path):
+  """Before: configs/grpo_task.py:tiny copies run.steps into optim.total_steps, and the optim section, checked first,
+  said "cosine schedule needs total_steps > warmup_steps" for --config.run.steps=-1."""
+  with pytest.raises(ValueError, match=r"^run.steps=-1 must be >= 0"):
+    from_config_dict(_config(**{"run.steps": -1}))
+  # A model directory given where a run's workdir is expected (export.py, review.py --workdir)
+  (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+  with pytest.raises(ValueError, match="is a model directory .*, not a run's workdir"):
+    run_lib.load_config(str(tmp_path))
+
+
 def test_topology_roles_other_than_the_reward_models_are_a_config_error():
   """Before: topology.roles = {"reference": "rollout"} was accepted and ignored (the reference stayed on the
   trainer); only the reward model's role moves in a run."""

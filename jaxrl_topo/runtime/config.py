@@ -93,8 +93,10 @@ class RunConfig:
     return TrainConfig(loss=self.rl, optim=self.optim, lora=self.lora, seed=self.run.seed)
 
 
-_SECTIONS = {"model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec, "reward": RewardSpec,
-             "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "run": RunSpec, "train": TrainSpec,
+# "run" first: other sections' values follow its keys (configs set optim.total_steps from run.steps), so a bad
+# run.steps is reported as itself, not as the optim key that copied it
+_SECTIONS = {"run": RunSpec, "model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec,
+             "reward": RewardSpec, "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "train": TrainSpec,
              "sync": SyncSpec, "env": EnvSpec}
 
 

@@ -115,14 +115,17 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
       exp.sync.rebase(exp.state)  # LoRA: the checkpoint's (warmed-up) base, not the one built without a warm-up
       meta = hostcomm.broadcast(meta, src=min(holders))
       start, before = meta["step"], meta.get("accuracy_before")
-      exp.prompts.set_state(meta["data_state"])  # after the last saved batch
+      try:
+        exp.prompts.set_state(meta["data_state"])  # after the last saved batch
+      except ValueError as e:  # e.g. another data.batch_size: the saved position means other prompts here
+        raise ValueError(f"{e}\n{_resume_hint(cfg, workdir)}") from e
       saved = meta.get("in_flight")  # a list of batches; older checkpoints hold a note instead (regenerate)
       produced = [inflight.from_json(d) for d in saved] if isinstance(saved, list) else []
       landed = meta.get("landed")  # step start - 1's metrics line as it stood when the checkpoint was taken
       if start > 0:
         loop_lib.sync_weights(exp, start)
       logging.info("resumed from step %d of %s", start, workdir)
-    if not new:
+    if not new and start < cfg.run.steps:  # a relaunch that trains nothing leaves the run's record as it is
       _record(cfg, workdir)
     if before is None:
       before = loop_lib.evaluate(exp, tag=0)
@@ -334,7 +337,12 @@ def load_config(workdir: str) -> RunConfig:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} not found: is {workdir} the workdir of a run (run.train, launchers/train.py)?")
   with open(path) as f:
-    return from_config_dict(json.load(f))
+    saved = json.load(f)
+  if "architectures" in saved or "model_type" in saved:  # a Hugging Face config.json, not a run's
+    raise ValueError(f"{workdir} is a model directory (Hugging Face config.json), not a run's workdir: give the "
+                     "workdir of a run (launchers/train.py --workdir), or use the model directly "
+                     "(launchers/generate.py --model)")
+  return from_config_dict(saved)
 
 
 def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | None = None) -> int:
