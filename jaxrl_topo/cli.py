@@ -151,8 +151,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(USER_ERROR_EXIT)
 
 
-def launch(main: Callable[[list[str]], None]) -> None:
-  """absl's app.run(main) with the behaviour described in the module doc."""
+def launch(main: Callable[[list[str]], None], interrupted: str = "") -> None:
+  """absl's app.run(main) with the behaviour described in the module doc; `interrupted`: what to tell the user
+  after a Ctrl-C (exit 130), e.g. how to resume."""
 
   def wrapped(argv):
     if not _LIBRARY_LOGS.value:
@@ -169,6 +170,7 @@ def launch(main: Callable[[list[str]], None]) -> None:
       _leave(e.code if isinstance(e.code, int) else 1)
     raise
   except KeyboardInterrupt:
+    print(f"interrupted{'; ' + interrupted if interrupted else ''}", file=sys.stderr)
     _leave(130)
   except Exception as e:  # noqa: BLE001 - every failure ends here, shown once
     pid = ""

@@ -129,4 +129,4 @@ if __name__ == "__main__":
     sys.argv, COMMON[:] = split_overrides(sys.argv)
   except cli.UserError as e:
     sys.exit(f"error: {e}")
-  cli.launch(main)
+  cli.launch(main, interrupted="run the same command again to resume every job from its newest checkpoint")

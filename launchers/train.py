@@ -101,4 +101,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  cli.launch(main)
+  cli.launch(main, interrupted="run the same command again to resume from the newest checkpoint")

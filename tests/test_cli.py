@@ -294,3 +294,13 @@ def test_child_env_keeps_the_users_xla_flags_and_accelerators(monkeypatch):
   monkeypatch.setattr(local_multiprocess.os.path, "exists", lambda p: p == "/dev/nvidia0")  # a GPU host
   env = local_multiprocess.child_env(0, 2, 1, 4, base={"XLA_FLAGS": "--xla_dump_to=/tmp/d"})
   assert "JAX_PLATFORMS" not in env and env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
+def test_ctrl_c_says_it_was_interrupted_and_how_to_go_on():
+  """Before: a Ctrl-C ended train.py with exit code 130 and nothing printed."""
+  code = ("from jaxrl_topo import cli\n"
+          "def main(argv):\n"
+          "  raise KeyboardInterrupt\n"
+          "cli.launch(main, interrupted='run the same command again to resume')\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 130 and "interrupted; run the same command again to resume" in r.stderr, r.stderr
