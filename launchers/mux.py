@@ -99,14 +99,25 @@ def main(argv: Sequence[str]) -> None:
   results = group.run(hooks_for)
   for w in writers.values():
     w.close(plot=False)
+  path = os.path.join(workdir, "mux_summary.json")
+  earlier = {}
+  if os.path.isfile(path):
+    with open(path) as f:
+      earlier = json.load(f).get("jobs", {})
+  finished = {jid for jid, r in results.items()  # nothing left to train: the figures of the session that trained it
+              if r["ok"] and not r["steps"] and r["resumed_from"] >= group.jobs[jid].spec.cfg.run.steps}
+  for jid in finished & set(earlier):
+    results[jid] = {**earlier[jid], "resumed_from": results[jid]["resumed_from"]}
   summary = {"jobs": results}
   if group.spans:
     summary["busy_fraction"] = report.busy_fractions(group.spans)
     report.plot_timeline(group.spans, os.path.join(workdir, "mux_timeline.png"))
-  with open(os.path.join(workdir, "mux_summary.json"), "w") as f:
+  with open(path, "w") as f:
     json.dump(summary, f, indent=2)
   for jid, r in results.items():
     done = f"{r['steps']} steps" + (f" (resumed at step {r['resumed_from']})" if r["resumed_from"] else "")
+    if jid in finished:
+      done = f"already trained to step {r['resumed_from']}; nothing to do"
     print(f"{jid}: " + (done if r["ok"] else f"FAILED: {r['error'].strip().splitlines()[-1]}"))
   if "busy_fraction" in summary:
     print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))

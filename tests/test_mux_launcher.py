@@ -225,3 +225,11 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   spans = read_spans(str(tmp_path / "mux_spans.jsonl"))
   assert {s["job"] for s in spans} == {"0-grpo_task", "1-dapo"}
   assert (tmp_path / "mux_timeline.png").stat().st_size > 0
+  # The same command again: the finished job keeps its figures (before: mux_summary.json said 0 steps, this
+  # session's wall time); the failed one runs again (and fails again)
+  again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0 and "0-grpo_task: already trained to step 3; nothing to do" in again.stdout, (
+      again.stdout + again.stderr[-3000:])
+  with open(tmp_path / "mux_summary.json") as f:
+    kept = json.load(f)["jobs"]["0-grpo_task"]
+  assert kept == {**summary["jobs"]["0-grpo_task"], "resumed_from": 3}
