@@ -198,6 +198,36 @@ def test_a_failing_job_is_isolated_and_reported_with_its_id(tmp_path):
   assert group.train_pool.history.count("a") == STEPS
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_ctrl_c_is_no_jobs_failure(tmp_path, monkeypatch):
+  """Before: a Ctrl-C while a group ran logged each job's wind-down error (a reward worker's closed pipe, orbax
+  refusing a save at shutdown) as 'mux: job ... failed; the group goes on', with its traceback."""
+  import signal
+
+  from jaxrl_topo.mux import group as group_lib
+
+  said = []
+  for level in ("info", "error"):
+    monkeypatch.setattr(group_lib.logging, level, lambda msg, *a, _level=level: said.append((_level, msg % a)))
+
+  def hooks_for(jid, exp):
+    def on_step(step, m):
+      os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread, which is joining the jobs
+      raise RuntimeError("what an interrupted job meets")
+    return loop.LoopHooks(on_step=on_step)
+
+  group = Group([JobSpec("a", job_cfg("a"), str(tmp_path / "a"))], MuxConfig(), str(tmp_path))
+  group.build()
+  with pytest.raises(KeyboardInterrupt):
+    group.run(hooks_for)
+  t0 = time.time()  # the job's thread winds down after the interrupt reached the main thread
+  while any(t.name == "mux-a" for t in threading.enumerate()) and time.time() - t0 < 60:
+    time.sleep(0.1)
+  group._close()
+  assert group.interrupted.is_set() and ("info", "mux: job a stopped by the interrupt") in said, said
+  assert not [s for s in said if s[0] == "error"], said
+
+
 def test_residency_beyond_host_memory_is_refused_naming_jobs_and_bytes(tmp_path):
   group = Group([JobSpec(j, job_cfg(j, **{"run.sft_steps": 0}), str(tmp_path / j)) for j in "ab"],
                 MuxConfig(host_memory_gb=1e-4), str(tmp_path))

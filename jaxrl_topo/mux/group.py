@@ -142,6 +142,7 @@ class Group:
     self._t0 = time.perf_counter()
     self.pools: dict[str, list[int]] = {}
     self.admitted = self.built = False
+    self.interrupted = threading.Event()  # a Ctrl-C while the jobs run (resume.noting_interrupts)
 
   # ------------------------------------------------------------ admission
 
@@ -226,6 +227,9 @@ class Group:
     self.jobs[jid].error = tb
     self.rollout_pool.retire(jid)
     self.train_pool.retire(jid)
+    if self.interrupted.wait(0.5):  # a Ctrl-C reaches the reward workers and this process at once: let it land
+      logging.info("mux: job %s stopped by the interrupt", jid)
+      return
     logging.error("mux: job %s failed; the group goes on:\n%s", jid, tb)
 
   # ------------------------------------------------------------ phases
@@ -359,16 +363,17 @@ class Group:
     self._t0 = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
     self._write_spans()
     self._spans_file = open(os.path.join(self.workdir, MUX_SPANS), "a")  # noqa: SIM115 (closed after the jobs)
-    threads = []
-    for jid, job in self.jobs.items():
-      if job.exp is None:
-        continue
-      hooks = hooks_for(jid, job.exp) if hooks_for else loop_lib.LoopHooks()
-      t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
-      threads.append(t)
-      t.start()
-    for t in threads:
-      t.join()
+    with resume.noting_interrupts(self.interrupted):
+      threads = []
+      for jid, job in self.jobs.items():
+        if job.exp is None:
+          continue
+        hooks = hooks_for(jid, job.exp) if hooks_for else loop_lib.LoopHooks()
+        t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
+        threads.append(t)
+        t.start()
+      for t in threads:
+        t.join()
     wall = time.perf_counter() - self._t0
     with self._lock:
       self._spans_file.close()

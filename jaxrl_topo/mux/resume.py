@@ -9,7 +9,10 @@ the train phase (the state is on the train pool), and waits for the save to comm
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
@@ -60,3 +63,28 @@ def save(job, done: int, data_state) -> None:
           "accuracy_before": None, "in_flight": []}
   job.ckpt.save(done, job.exp.state, meta)
   job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
+
+
+@contextlib.contextmanager
+def noting_interrupts(flag: threading.Event):
+  """Sets `flag` on a SIGINT, then lets Python's own handling raise KeyboardInterrupt in the main thread. The jobs'
+  threads then fail as the process winds down (their reward workers got the signal too; orbax refuses new saves at
+  shutdown): the group reads `flag` so as not to report those as the jobs' own failures. Off the main thread (where
+  no signal handler can be set) it does nothing."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.getsignal(signal.SIGINT)
+
+  def handler(signum, frame):
+    flag.set()
+    if callable(previous):
+      previous(signum, frame)
+    else:
+      raise KeyboardInterrupt
+
+  signal.signal(signal.SIGINT, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
