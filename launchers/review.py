@@ -51,6 +51,15 @@ def main(argv: Sequence[str]) -> None:
     print(f"wrote {_OUT.value}/group.md, group.json, group_timeline.png ({len(fig['jobs'])} jobs)")
     return
   cfg = from_config_dict(_CONFIG.value) if _CONFIG.value is not None else run.load_config(_WORKDIR.value)
+  if _CONFIG.value is not None and _WORKDIR.value is not None:
+    from jaxrl_topo.runtime import workdir
+
+    ran = workdir.recorded_identity(_WORKDIR.value)
+    diff = workdir.identity_diff(ran, workdir.identity(cfg)) if ran is not None else []
+    if diff:  # a what-if on another mesh is the point; on another model, the measured phases mean little
+      print(f"WARNING: --workdir={_WORKDIR.value} ran another model or data than --config: "
+            f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}. The record fits its measured phase times to "
+            "this config as they are", file=sys.stderr)
   a = Assumptions(n_devices=_N_DEVICES.value, decode_tokens_per_s_per_device=_DECODE.value,
                   per_seq_tokens_per_s=_PER_SEQ.value, train_s=_TRAIN_S.value, link_gbps=_LINK.value,
                   device_memory_gb=_DEVICE_GB.value)

@@ -271,6 +271,23 @@ def test_a_resumed_lora_run_samples_from_the_warmed_up_base(tmp_path):
   assert [r["logprob_gap/max"] < 1e-4 for r in read_metrics(str(tmp_path))] == [True, True]
 
 
+def test_review_warns_when_the_run_is_of_another_model(launched, tmp_path):
+  """launchers/review.py --config=X --workdir=RUN fits RUN's measured phase times to X; before, nothing said that
+  RUN trained another model (a 7B record calibrated on the tiny run's spans)."""
+  import subprocess
+  import sys
+
+  review = [sys.executable, os.path.join(ROOT, "launchers", "review.py"), f"--workdir={launched / 'ref'}",
+            "--config=" + os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  other = subprocess.run([*review, "--config.model.preset=qwen2.5-0.5b", f"--out={tmp_path / 'a'}"], env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert other.returncode == 0 and "WARNING: --workdir=" in other.stderr, other.stderr[-3000:]
+  assert "ran another model or data than --config: model.preset: 'tiny' -> 'qwen2.5-0.5b'" in other.stderr
+  same = subprocess.run([*review, f"--out={tmp_path / 'b'}"], env=env, capture_output=True, text=True, timeout=300)
+  assert same.returncode == 0 and "ran another model" not in same.stderr, same.stderr[-3000:]
+
+
 def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
   import torch
   import transformers
