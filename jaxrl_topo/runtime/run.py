@@ -20,6 +20,7 @@ Checkpoints every `run.checkpoint_every` steps (default 10) and at the end.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -137,7 +138,8 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
                             start_step=start - lost, resume=start > 0) if _main() else None)
     if lost:
-      m = {**landed["metrics"], "_lags": landed["lags"]}
+      lags = landed["lags"]  # {lag: tokens}: the staleness histogram's counts
+      m = {**landed["metrics"], "_lags": None if lags is None else [int(k) for k, n in lags.items() for _ in range(n)]}
       if _should_eval(cfg, start):
         m["eval/version"] = exp.engine.gen_id
         m.update(evaluate_metrics(exp, tag=start))
@@ -221,9 +223,10 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
     seen["in_flight"] = trajs
 
   def on_landed(step: int, m: dict) -> None:
-    lags = m.get("_lags")
+    lags = m.get("_lags")  # one a token: kept in the checkpoint as tokens per lag
+    counts = None if lags is None else collections.Counter(map(int, lags))
     seen["landed"] = {"metrics": jsonable({k: v for k, v in m.items() if not k.startswith("_")}),
-                      "lags": None if lags is None else [int(x) for x in lags]}
+                      "lags": None if counts is None else {str(k): n for k, n in counts.items()}}
 
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
