@@ -340,17 +340,20 @@ class Group:
 
   def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
     jid, cfg = job.spec.job_id, job.spec.cfg
+    failure = None
     try:
       with experiment_lib.matmul_precision(cfg):
         loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks))
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
-      self._fail(jid, traceback.format_exc())
+      failure = traceback.format_exc()
     finally:
       if job.tail is not None:  # a job failing while its stragglers decode on its tail: the tail's shards go free
         migrate.restore(job.tail.tail, job.exp.engine)
         job.tail.moved_at = None
       self.rollout_pool.retire(jid)
       self.train_pool.retire(jid)
+    if failure is not None:  # reported once the job's pools and tail are free (_fail may wait for an interrupt)
+      self._fail(jid, failure)
 
   def run(self, hooks_for=None) -> dict[str, dict]:
     """Runs every admitted job to its `run.steps`; returns {job id: {"ok", "steps", "error", ...}}.
