@@ -139,6 +139,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   the real error; so nothing is parsed twice here."""
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help/--helpfull print the flags, then exit 1 as if something had failed
+    if e.code == 1 and _asks_for_help(argv):
+      sys.exit(0)
+    raise
   except flags.Error as e:
     if _want_traceback():
       raise
@@ -149,6 +153,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {text}\n(--helpfull lists every flag; run with --traceback to see where it was raised)",
           file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
+
+
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+  """Whether the command line holds one of absl's help flags (before a `--` that ends the flags)."""
+  args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+  return any(a.startswith("-") and a.lstrip("-").split("=")[0] in _HELP_FLAGS for a in args)
+
+
+def _flag_owner() -> dict:
+  """define_*_flags' module_name for the launcher that called it: absl's --help lists only a script's own flags,
+  and a flag defined here would otherwise belong to this module."""
+  caller = sys._getframe(2).f_globals.get("__name__")
+  return {"module_name": sys.argv[0] if caller == "__main__" else caller}
 
 
 def launch(main: Callable[[list[str]], None], interrupted: str = "") -> None:
@@ -191,8 +211,7 @@ def define_distributed_flags() -> Callable[[], Any]:
   """--coordinator, --num_processes, --process_id: an explicit jax.distributed set-up (all three or none; none: the
   JAXRL_* variables launchers/local_multiprocess.py sets, then the cluster's own, else one process). Returns a
   function giving their runtime.distributed.DistributedConfig; call it first: a partial set-up raises there."""
-  caller = sys._getframe(1).f_globals.get("__name__")
-  where = {"module_name": sys.argv[0] if caller == "__main__" else caller}
+  where = _flag_owner()
   coord = flags.DEFINE_string("coordinator", None, "host:port of process 0 (explicit jax.distributed set-up, with "
                               "--num_processes and --process_id; default: the environment's).", **where)
   count = flags.DEFINE_integer("num_processes", None, "Processes in the job (explicit set-up).", **where)
@@ -214,8 +233,7 @@ def define_engine_flags() -> Callable[[], dict]:
   EngineConfig name."""
   from jaxrl_topo.rollout.engine_config import KV_DTYPES, EngineConfig
 
-  caller = sys._getframe(1).f_globals.get("__name__")  # absl lists a script's own flags under --help
-  where = {"module_name": sys.argv[0] if caller == "__main__" else caller}
+  where = _flag_owner()
   defined = [
       flags.DEFINE_enum("kv_dtype", None, list(KV_DTYPES), "KV pool dtype (default: the compute --dtype).", **where),
       flags.DEFINE_integer("min_pack_rows", None, "Smallest batch a decode chunk's live rows are packed into per "

@@ -171,6 +171,17 @@ def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says)
   assert not out.exists()
 
 
+@pytest.mark.parametrize("script,flag,own", [("train.py", "--help", "--coordinator"),
+                                             ("generate.py", "-?", "--kv_dtype")])
+def test_help_exits_0_and_lists_the_launchers_own_flags(script, flag, own):
+  """Before: absl's --help printed the flags and exited 1, as if the launcher had failed (a script checking
+  `train.py --help` saw an error). The flags cli.py defines for a launcher are listed as the launcher's."""
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", script), flag], capture_output=True, text=True,
+                     cwd=ROOT, timeout=120, env=_env())
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"{script}:" in r.stdout and own in r.stdout.split(f"{script}:", 1)[1], r.stdout[-3000:]
+
+
 def test_a_review_with_nothing_to_review_and_a_missing_config_file_are_one_line(tmp_path):
   """Before: absl's usage text (every flag) above the message, status 1; and ml-collections' four lines about
   its own flag "config_config" for a config file that is not there."""
