@@ -57,14 +57,12 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
-    if self.min_window_tokens < 0:
-      raise ValueError(f"EngineConfig.min_window_tokens={self.min_window_tokens} must be >= 0")
-    if self.pallas_splits < 0:
-      raise ValueError(f"EngineConfig.pallas_splits={self.pallas_splits} must be >= 0 (0 = the kernel's default)")
+    for name, zero in (("min_window_tokens", "no floor"), ("pallas_splits", "the kernel's default"),
+                       ("tail_chunk", "4 x decode_chunk"), ("max_chunk", "chunks never grow")):
+      if getattr(self, name) < 0:
+        raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 0 (0: {zero})")
     if self.min_pack_rows < 2:
       raise ValueError(f"EngineConfig.min_pack_rows={self.min_pack_rows} must be >= 2")
-    if self.tail_chunk < 0 or self.max_chunk < 0:
-      raise ValueError(f"EngineConfig.tail_chunk={self.tail_chunk} and max_chunk={self.max_chunk} must be >= 0")
     object.__setattr__(self, "eos_ids", token_ids(self.eos_ids, "EngineConfig.eos_ids"))
 
   @property
@@ -85,6 +83,20 @@ class EngineConfig:
   def chunk_capacity(self) -> int:
     """Rows of a chunk's outputs: the longest chunk the engine dispatches (every length runs one program)."""
     return max(self.decode_chunk, self.tail_steps, self.max_chunk)
+
+
+# The rollout config section's keys that are EngineConfig fields of the same name and meaning (runtime/sections.py).
+SHARED_FIELDS = ("n_slots", "page_size", "decode_chunk", "min_bucket", "kv_dtype", "min_window_tokens", "pallas_splits",
+                 "min_pack_rows", "tail_chunk", "max_chunk", "overlap")
+
+
+def check_fields(values: Mapping[str, Any], prefix: str) -> None:
+  """EngineConfig's own checks of `values` (fields by name), its errors naming each field `prefix` + name: a config
+  section that holds engine fields is checked by the same code as the engine, when it is built."""
+  try:
+    EngineConfig(**values)
+  except (ValueError, TypeError) as e:
+    raise type(e)(str(e).replace("EngineConfig.", prefix)) from None
 
 
 def check_fits_model(ecfg: EngineConfig, cfg) -> None:

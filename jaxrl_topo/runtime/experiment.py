@@ -33,6 +33,7 @@ from jaxrl_topo.models.tokenizer import Tokenizer
 from jaxrl_topo.rl.reward_model import RewardModel
 from jaxrl_topo.rollout.dense import DecodeConfig
 from jaxrl_topo.rollout.engine import EngineConfig, RolloutEngine
+from jaxrl_topo.rollout.engine_config import SHARED_FIELDS
 from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import RunConfig
@@ -190,8 +191,7 @@ def engine_config(cfg: RunConfig, eos_ids: tuple[int, ...], pad_id: int) -> Engi
   rollout = cfg.rollout
   max_len = -(-(cfg.data.max_prompt_len + rollout.max_new_tokens) // rollout.page_size) * rollout.page_size
   n_pages = rollout.n_pages or rollout.n_slots * (max_len // rollout.page_size)
-  same = ("n_slots", "page_size", "decode_chunk", "sampling", "kv_dtype", "impl", "max_chunk", "tail_chunk", "overlap",
-          "min_bucket", "min_window_tokens", "min_pack_rows", "pallas_splits")  # rollout.* of the same name
+  same = (*SHARED_FIELDS, "sampling", "impl")  # rollout.* of the same name
   return EngineConfig(n_pages=n_pages, max_len=max_len, eos_ids=eos_ids, pad_id=pad_id,
                       **{k: getattr(rollout, k) for k in same})
 

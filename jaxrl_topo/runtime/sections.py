@@ -7,7 +7,8 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxrl_topo.rollout.engine_config import KV_DTYPES, UPDATE_POLICIES
+from jaxrl_topo.rollout import engine_config
+from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import check_ranges
@@ -123,28 +124,16 @@ class RolloutSpec:
   continuous: bool = True
 
   def __post_init__(self):
-    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-      raise ValueError(f"rollout.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
+    engine_config.check_fields({name: getattr(self, name) for name in engine_config.SHARED_FIELDS}, "rollout.")
     if self.impl not in ("auto", *IMPLS):
       raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
     if self.update_policy not in UPDATE_POLICIES:
       raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
-    if self.max_chunk < 0:
-      raise ValueError(f"rollout.max_chunk={self.max_chunk} must be >= 0 (0: chunks never grow)")
-    if self.min_window_tokens < 0:
-      raise ValueError(f"rollout.min_window_tokens={self.min_window_tokens} must be >= 0 (0: no floor)")
-    if self.min_pack_rows < 2:
-      raise ValueError(f"rollout.min_pack_rows={self.min_pack_rows} must be >= 2")
-    if self.pallas_splits < 0:
-      raise ValueError(f"rollout.pallas_splits={self.pallas_splits} must be >= 0 (0: the kernel's default)")
     if self.pallas_splits and self.impl not in ("auto", "pallas"):
       raise ValueError(f"rollout.pallas_splits={self.pallas_splits} sets the Pallas kernel; rollout.impl="
                        f"{self.impl!r} never runs it (use 'pallas', or 'auto' on a GPU)")
-    if self.tail_chunk < 0:
-      raise ValueError(f"rollout.tail_chunk={self.tail_chunk} must be >= 0 (0: 4 x decode_chunk)")
-    for name in ("max_new_tokens", "n_slots", "page_size", "decode_chunk", "min_bucket"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"rollout.{name}={getattr(self, name)} must be positive")
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens} must be positive")
     if self.n_pages < 0:
       raise ValueError(f"rollout.n_pages={self.n_pages} must be >= 0 (0: every slot at full length)")
     if "" in self.stop:  # the empty string is in every text: each completion would end at its first token
