@@ -191,6 +191,17 @@ def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state,
   ckpt.save(step, exp.state, meta)
 
 
+def _landed_meta(m: dict | None) -> dict | None:
+  """A landed step's metrics as a checkpoint's meta keeps them: the JSON-able metrics, and each token's lag
+  (`_lags`, one a token) as tokens per lag."""
+  if m is None:
+    return None
+  lags = m.get("_lags")
+  counts = None if lags is None else collections.Counter(map(int, lags))
+  return {"metrics": jsonable({k: v for k, v in m.items() if not k.startswith("_")}),
+          "lags": None if counts is None else {str(k): n for k, n in counts.items()}}
+
+
 def _should_eval(cfg: RunConfig, done: int) -> bool:
   return bool(cfg.run.eval_every) and done % cfg.run.eval_every == 0 and done < cfg.run.steps
 
@@ -223,10 +234,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
     seen["in_flight"] = trajs
 
   def on_landed(step: int, m: dict) -> None:
-    lags = m.get("_lags")  # one a token: kept in the checkpoint as tokens per lag
-    counts = None if lags is None else collections.Counter(map(int, lags))
-    seen["landed"] = {"metrics": jsonable({k: v for k, v in m.items() if not k.startswith("_")}),
-                      "lags": None if counts is None else {str(k): n for k, n in counts.items()}}
+    seen["landed"] = dict(m)  # made a checkpoint's meta only when one is saved (_landed_meta)
 
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
@@ -235,7 +243,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       jax.profiler.stop_trace()  # view <workdir>/profile in Perfetto or TensorBoard's profile plugin
     _kill_point("trained", done)
     if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
-      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"], seen["landed"])
+      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"], _landed_meta(seen["landed"]))
       _kill_point("saving", done)
       _kill_point("saved", done, ckpt.wait if ckpt else None)  # committed; step `step`'s line not yet written
 
