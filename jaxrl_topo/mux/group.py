@@ -362,9 +362,9 @@ class Group:
     if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
     # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.
-    self.spans[:0] = self._earlier_spans()
+    self.spans[:0] = resume.earlier_spans(self.workdir, MUX_SPANS, {jid: job.start for jid, job in self.jobs.items()})
     self._t0 = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
-    self._write_spans()
+    resume.write_spans(self.workdir, MUX_SPANS, self.spans)
     self._spans_file = open(os.path.join(self.workdir, MUX_SPANS), "a")  # noqa: SIM115 (closed after the jobs)
     with resume.noting_interrupts(self.interrupted):
       threads = []
@@ -381,7 +381,7 @@ class Group:
     with self._lock:
       self._spans_file.close()
       self._spans_file = None
-    self._write_spans()  # the same spans, in time order
+    resume.write_spans(self.workdir, MUX_SPANS, self.spans)  # the same spans, in time order
     out = {}
     for jid, job in self.jobs.items():
       out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall,
@@ -398,18 +398,3 @@ class Group:
       finally:
         if job.exp is not None:
           job.exp.close()
-
-  def _earlier_spans(self) -> list[dict]:
-    """The spans in the group's MUX_SPANS of steps each job resumes past (none for a job started over)."""
-    starts = {jid: job.start for jid, job in self.jobs.items()}
-    path = os.path.join(self.workdir, MUX_SPANS)
-    if not any(starts.values()) or not os.path.isfile(path):
-      return []
-    from jaxrl_topo.mux.report import read_spans  # noqa: PLC0415 (the report's plotting stays out of the group)
-
-    return [r for r in read_spans(path) if r["step"] < starts.get(r["job"], 0)]
-
-  def _write_spans(self) -> None:
-    os.makedirs(self.workdir, exist_ok=True)
-    with open(os.path.join(self.workdir, MUX_SPANS), "w") as f:
-      f.writelines(json.dumps(s) + "\n" for s in sorted(self.spans, key=lambda s: s["start"]))

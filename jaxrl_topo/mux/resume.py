@@ -10,6 +10,7 @@ the train phase (the state is on the train pool), and waits for the save to comm
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -88,3 +89,21 @@ def noting_interrupts(flag: threading.Event):
     yield
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def earlier_spans(workdir: str, name: str, starts: dict[str, int]) -> list[dict]:
+  """The spans in the group's spans file `name` of steps each job resumes past (`starts`: job id -> the step it
+  resumes at; none for a job started over)."""
+  path = os.path.join(workdir, name)
+  if not any(starts.values()) or not os.path.isfile(path):
+    return []
+  from jaxrl_topo.mux.report import read_spans  # noqa: PLC0415 (the report's plotting stays out of the group)
+
+  return [r for r in read_spans(path) if r["step"] < starts.get(r["job"], 0)]
+
+
+def write_spans(workdir: str, name: str, spans: list[dict]) -> None:
+  """The group's spans file `name`, rewritten with `spans` in time order."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, name), "w") as f:
+    f.writelines(json.dumps(s) + "\n" for s in sorted(spans, key=lambda s: s["start"]))
