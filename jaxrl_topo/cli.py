@@ -136,9 +136,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
   (`--config.run.steps=abc`), an unknown flag, a config file's get_config refusing its `:ARG` (not
   ml-collections' whole traceback under 'FATAL Flags parsing error'). absl's own fallback parses again, and
   ml-collections' override flags, defined during the first parse, then fail as 'defined twice', which hid
-  the real error; so nothing is parsed twice here."""
+  the real error; so nothing is parsed twice here. `--config.key=None` sets the key to None (_set_nones)."""
+  argv, nones = _none_overrides(argv)
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _set_nones(nones)
+    return rest
   except SystemExit as e:  # absl's --help/--helpfull print the flags, then exit 1 as if something had failed
     if e.code == 1 and _asks_for_help(argv):
       sys.exit(0)
@@ -153,6 +156,34 @@ def _parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {text}\n(--helpfull lists every flag; run with --traceback to see where it was raised)",
           file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
+
+
+def _none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(argv less its `--config.key=None` arguments, those keys). ml-collections parses an override by the key's
+  type, so `--config.rl.is_cap=None` failed as "could not convert string to float: 'None'" and a key defaulting
+  to a number could not be switched off from the command line."""
+  end = argv.index("--") if "--" in argv else len(argv)
+  nones = {i: a.split("=", 1)[0][len("--config."):] for i, a in enumerate(argv[:end])
+           if i and a.startswith("--config.") and a.partition("=")[2] in ("None", "none")}
+  return [a for i, a in enumerate(argv) if i not in nones], list(nones.values())
+
+
+def _set_nones(keys: list[str]) -> None:
+  """Sets each dotted key of the parsed --config to None (the config's own checks then say if it may be)."""
+  if not keys:
+    return
+  if "config" not in flags.FLAGS or flags.FLAGS["config"].value is None:
+    raise UserError(f"--config.{keys[0]}=None without a --config file")
+  for key in keys:
+    *path, last = key.split(".")
+    node = flags.FLAGS["config"].value
+    try:
+      for name in path:
+        node = node[name]
+      node[last]  # noqa: B018 (a missing key raises, as any other override's would)
+    except (KeyError, TypeError):
+      raise UserError(f"--config.{key}=None: no config key {key}") from None
+    node[last] = None
 
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")

@@ -182,6 +182,20 @@ def test_help_exits_0_and_lists_the_launchers_own_flags(script, flag, own):
   assert f"{script}:" in r.stdout and own in r.stdout.split(f"{script}:", 1)[1], r.stdout[-3000:]
 
 
+def test_a_config_key_set_to_none_on_the_command_line(tmp_path):
+  """`--config.rl.is_cap=None` switches the importance weight off. Before: "could not convert string to float:
+  'None'" (ml-collections parses an override by the key's type), so no key with a number as its default could be
+  set to None from the command line. A key that may not be None still says so."""
+  review = [sys.executable, os.path.join(ROOT, "launchers", "review.py"), "--config=configs/grpo_task.py:tiny"]
+  r = subprocess.run([*review, "--config.rl.is_cap=None", f"--out={tmp_path / 'rv'}"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=120, env=_env())
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "not corrected (rl.is_cap is None)" in (tmp_path / "rv" / "record.md").read_text()
+  r = subprocess.run([*review, "--config.run.steps=none", f"--out={tmp_path / 'rv2'}"], capture_output=True, text=True,
+                     cwd=ROOT, timeout=120, env=_env())
+  assert r.returncode == 2 and "run.steps must be int, got NoneType None" in r.stderr, r.stderr[-3000:]
+
+
 def test_a_review_with_nothing_to_review_and_a_missing_config_file_are_one_line(tmp_path):
   """Before: absl's usage text (every flag) above the message, status 1; and ml-collections' four lines about
   its own flag "config_config" for a config file that is not there."""
