@@ -141,6 +141,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
     _set_nones(nones)
+    empty = [name for name in _PATH_FLAGS if name in flags.FLAGS and flags.FLAGS[name].value is not None
+             and not flags.FLAGS[name].value.strip()]
+    if empty:  # before: --workdir= failed after the checks and jax's start-up as "No such file or directory: ''"
+      raise UserError(f"--{empty[0]} is empty: name a path")
     return rest
   except SystemExit as e:  # absl's --help/--helpfull print the flags, then exit 1 as if something had failed
     if e.code == 1 and _asks_for_help(argv):
@@ -186,6 +190,7 @@ def _set_nones(keys: list[str]) -> None:
     node[last] = None
 
 
+_PATH_FLAGS = ("workdir", "out")  # the launchers' path flags: an empty value is refused when parsed
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 
 

@@ -160,6 +160,9 @@ def test_fresh_refuses_a_checkpoints_folder_that_is_not_a_runs(tmp_path):
     ("sync_check.py", ["--rollout=data:2"], "error: --rollout=data:2: expected name=size[,name=size]"),
     # before: every flag's help (about 30 lines), then the message, status 1
     ("local_multiprocess.py", ["--num_processes=0", "--", "python", "-c", "1"], "error: --num_processes=0"),
+    # before: "No such file or directory: ''", after the launch's checks and jax's start-up
+    ("export.py", ["--workdir=", "--out=/nonexistent/hf"], "error: --workdir is empty: name a path"),
+    ("review.py", ["--out= "], "error: --out is empty: name a path"),
 ])
 def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says):
   out = tmp_path / "rv"
