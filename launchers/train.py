@@ -66,6 +66,7 @@ def main(argv: Sequence[str]) -> None:
     check_fresh,
     check_model,
     check_not_a_model,
+    check_not_in_use,
     check_workdir,
     start_over,
   )
@@ -78,6 +79,7 @@ def main(argv: Sequence[str]) -> None:
   check_not_a_model(cfg, workdir)  # a model directory is refused, --fresh or not
   if fresh:
     check_fresh(workdir)  # --fresh deletes a run's folders: refused while they hold anything else
+    check_not_in_use(workdir)  # ... or while a run is writing them
   else:
     check_workdir(cfg, workdir)  # before config.json is overwritten
   distributed.initialize(dist)

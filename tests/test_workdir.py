@@ -379,3 +379,38 @@ def test_a_relaunch_whose_state_does_not_fit_the_checkpoint_keeps_the_runs_recor
     run_lib.train(critic, str(work), progress=False)
   assert "value_head" in str(err.value)  # the checkpoint's own complaint comes first
   assert {p: (work / p).read_bytes() for p in before} == before
+
+
+def test_one_run_at_a_time_in_a_workdir(tmp_path):
+  """A run holds <workdir>/run.lock (an flock) while it runs: another run there is refused, naming the process, and
+  --fresh's check refuses to delete under it. Before: two launches on one workdir both ran, writing over each
+  other's checkpoints and metrics. The kernel drops the lock with its process, a kill -9 included, so the file left
+  behind never blocks a relaunch."""
+  import signal
+  import subprocess
+  import sys
+
+  from subproc import cpu_env
+
+  work = tmp_path / "w"
+  cfg = from_config_dict(_config())
+  with workdir.held(str(work)):
+    with pytest.raises(ValueError, match=re.escape(f"{work} is in use by another run (process {os.getpid()} holds")):
+      run_lib.train(cfg, str(work), progress=False)
+    with pytest.raises(ValueError, match="is in use by another run"):
+      workdir.check_not_in_use(str(work))
+  workdir.check_not_in_use(str(work))  # released
+  code = ("import sys, time; from jaxrl_topo.runtime import workdir\n"
+          "with workdir.held(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.Popen([sys.executable, "-c", code, str(work)], stdout=subprocess.PIPE, text=True,
+                       env=cpu_env(PYTHONPATH=root))
+  try:
+    assert p.stdout.readline().strip() == "held"
+    with pytest.raises(ValueError, match=f"process {p.pid} holds"):
+      workdir.check_not_in_use(str(work))
+  finally:
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+  with workdir.held(str(work)):  # the killed holder's file is still there; its lock is not
+    assert (work / workdir.LOCK_FILE).read_text() == f"{os.getpid()}\n"

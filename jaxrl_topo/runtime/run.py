@@ -7,6 +7,7 @@
   checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
   metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
   summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, prompts (overlong counts), ...
+  run.lock           held by the running process (workdir.held): a second run on the workdir is refused
 
 Resume: the newest complete checkpoint restores the train state, the weights version (gen_id =
 step), the batches already produced for later steps (disaggregated / async: generated under older
@@ -64,18 +65,20 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   until the workdir, the devices and the meshes pass their checks; then identity.json and config.json (so
   `export(workdir, out)` reads the run back): a new run's at once, a resumed run's once its checkpoint has
   restored (a relaunch whose state does not fit the checkpoint leaves the run's record as it was)."""
-  with experiment_lib.matmul_precision(cfg):  # every program the run traces
-    return _train(cfg, workdir, progress=progress)
-
-
-def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
   t0 = time.perf_counter()
-  # A workdir recorded under another model or data is refused before anything is read or written there.
-  workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
-  topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
-  workdir_lib.check_shapes(cfg, topology)
-  workdir_lib.check_positions(cfg)
-  workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
+  with experiment_lib.matmul_precision(cfg):  # every program the run traces
+    # A workdir recorded under another model or data is refused before anything is read or written there.
+    workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
+    topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
+    workdir_lib.check_shapes(cfg, topology)
+    workdir_lib.check_positions(cfg)
+    workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
+    # One run at a time in a workdir: process 0 holds its run.lock (another launch there is refused)
+    with workdir_lib.held(workdir) if _main() else contextlib.nullcontext():
+      return _train(cfg, workdir, topology, t0, progress=progress)
+
+
+def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool) -> dict:
   new = not workdir_lib.has_run(workdir)
   if new:  # a resumed run's record is replaced only once its checkpoint has restored (below)
     _record(cfg, workdir)
@@ -103,6 +106,7 @@ def _train(cfg: RunConfig, workdir: str, *, progress: bool) -> dict:
     if new and _main():  # a run that never started leaves nothing behind: the corrected call starts afresh
       with contextlib.suppress(ValueError):  # unless its folders hold another tool's files: then it stays as is
         workdir_lib.start_over(workdir)
+        os.remove(os.path.join(workdir, workdir_lib.LOCK_FILE))  # the lock stays held until the file closes
     raise
   start, before, produced, landed = 0, None, [], None
   try:

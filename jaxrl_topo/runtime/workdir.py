@@ -12,7 +12,9 @@ passed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -162,6 +164,47 @@ def check_export_out(workdir: str, out: str) -> None:
     raise FileExistsError(f"--out={out} holds a model that no export wrote (no {EXPORT_RECORD}); nothing was written: "
                           "choose a new directory (an earlier export there would be replaced)")
   hf_io.check_out_dir(out, replace_model=True)
+
+
+LOCK_FILE = "run.lock"  # held (flock) by the process running the run, its pid inside
+
+
+@contextlib.contextmanager
+def held(workdir: str):
+  """While a run writes in `workdir`: an exclusive flock on <workdir>/run.lock, which holds the process id. A
+  second run on the workdir is refused with a ValueError naming that process; the kernel drops the lock when the
+  process ends, a kill -9 included, so a file left behind never blocks a relaunch. (Before, two launches on one
+  workdir both ran and wrote over each other's checkpoints, metrics and summary.)"""
+  os.makedirs(workdir, exist_ok=True)
+  f = open(os.path.join(workdir, LOCK_FILE), "a+")  # noqa: SIM115 (held open while the run runs)
+  try:
+    _lock(f, workdir)
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    yield
+  finally:
+    f.close()  # releases the lock
+
+
+def check_not_in_use(workdir: str) -> None:
+  """Raises ValueError when a running process holds `workdir`'s run.lock (`held`): e.g. before --fresh deletes the
+  run's files under it. Call it outside a process's own `held(workdir)`."""
+  path = os.path.join(workdir, LOCK_FILE)
+  if os.path.isfile(path):
+    with open(path) as f:
+      _lock(f, workdir)
+
+
+def _lock(f, workdir: str) -> None:
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    pid = f.read().strip() or "?"
+    raise ValueError(f"{workdir} is in use by another run (process {pid} holds {LOCK_FILE}): wait for it to end, "
+                     "stop it, or use another directory; nothing was changed") from None
 
 
 def write_identity(cfg: RunConfig, workdir: str) -> None:
