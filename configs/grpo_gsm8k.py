@@ -27,6 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.prompt_field = "question"
   c.data.answer_field = "answer"
   c.data.chat_template = True
+  c.data.instruction = INSTRUCTION
   c.data.max_prompt_len = 256
   c.data.batch_size = 32
   c.rollout.max_new_tokens = 512

@@ -2,6 +2,7 @@
 the grain pipeline (JSONL/Parquet with file:line errors, overlong handling, shards, resumable state)."""
 
 import builtins
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -248,6 +249,23 @@ def test_chat_template_counts_in_the_length(tok):
   truncated = pl.load_prompts(pl.PromptDataConfig(source="arithmetic", chat_template=True, max_prompt_len=22,
                                                   overlong="truncate"), tok)
   assert truncated.stats.n_truncated == 80 and tok.decode(truncated.examples[0]["prompt_ids"]).endswith("assistant\n")
+
+
+def test_the_instruction_follows_every_prompt_inside_the_chat_turn(tok):
+  """data.instruction: the model sees "<prompt>\\n\\n<instruction>" as its user turn; the row's own prompt (what a
+  reward or a log shows) stays as written. configs/grpo_gsm8k.py asks for \\boxed{} that way (before: its
+  INSTRUCTION constant reached no prompt, so GSM8K prompts never asked for the format math_answer reads)."""
+  cfg = pl.PromptDataConfig(source="arithmetic", chat_template=True, max_prompt_len=64, instruction="Box it.")
+  example = pl.load_prompts(cfg, tok).examples[0]
+  assert example["prompt"] == "4+0="
+  assert example["prompt_ids"] == tok.apply_chat_template_ids([{"role": "user", "content": "4+0=\n\nBox it."}])
+  plain = pl.load_prompts(dataclasses.replace(cfg, chat_template=False), tok).examples[0]
+  assert plain["prompt_ids"] == tok.encode("4+0=\n\nBox it.")
+  from test_rl_loop import load_config
+
+  from jaxrl_topo.runtime.config import from_config_dict
+  gsm8k = from_config_dict(load_config("grpo_gsm8k", "/models/none"))
+  assert "\\boxed{}" in gsm8k.data.instruction and gsm8k.data.chat_template
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class PromptDataConfig:
   max_prompt_len: int = 256  # tokens, after the chat template
   overlong: str = "skip"  # longer prompts: "skip", "truncate" (keep the last max_prompt_len tokens), "error"
   chat_template: bool = False  # wrap each prompt as one user turn of the tokenizer's chat template
+  # text added to every prompt, after a blank line, before the chat template: e.g. how to write the answer so the
+  # reward finds it ("" = none). Episodes (env.fn) take their first prompt from the environment instead
+  instruction: str = ""
 
   def __post_init__(self):
     if self.overlong not in OVERLONG_MODES:
@@ -163,10 +166,9 @@ def _example(where: str, row: Mapping[str, Any], cfg: PromptDataConfig) -> dict[
   return {"prompt": prompt, "answer": answer, **extra}
 
 
-def _encode(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
-  if chat:
-    return tokenizer.apply_chat_template_ids([{"role": "user", "content": text}])
-  return tokenizer.encode(text)
+def with_instruction(prompt: str, instruction: str) -> str:
+  """The prompt as the model sees it: data.instruction after it, a blank line between ("" leaves it as it is)."""
+  return f"{prompt}\n\n{instruction}" if instruction else prompt
 
 
 def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig, tokenizer: Tokenizer,
@@ -181,7 +183,7 @@ def tokenize_rows(rows: list[tuple[str, dict[str, Any]]], cfg: PromptDataConfig,
       example["prompt"].encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" is valid JSON): the tokenizer would fail unnamed
       raise ValueError(f"{where}: the prompt is not valid Unicode text ({e})") from None
-    ids = _encode(tokenizer, example["prompt"], cfg.chat_template)
+    ids = tokenizer.prompt_ids(with_instruction(example["prompt"], cfg.instruction), cfg.chat_template)
     if not ids:
       raise ValueError(f"{where}: prompt encodes to no tokens")
     if len(ids) > cfg.max_prompt_len:

@@ -61,9 +61,7 @@ def reply_ids(tokenizer: Tokenizer, messages: Sequence[dict], model_text: str, o
 
 def first_prompt(tokenizer: Tokenizer, obs: str, chat: bool) -> list[int]:
   """The episode's prompt: reset's observation as one user turn (the data pipeline's rule, data.chat_template)."""
-  if chat:
-    return tokenizer.apply_chat_template_ids([{"role": "user", "content": obs}])
-  return tokenizer.encode(obs)
+  return tokenizer.prompt_ids(obs, chat)
 
 
 @dataclasses.dataclass

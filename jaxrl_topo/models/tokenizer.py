@@ -242,6 +242,13 @@ class Tokenizer:
     text = self.apply_chat_template(messages, add_generation_prompt, **extra)
     return self.encode(text, add_special_tokens=False)
 
+  def prompt_ids(self, text: str, chat: bool) -> list[int]:
+    """A prompt's ids: `text` as one user turn of the chat template (`chat`), else encoded as it is (the data
+    pipeline's rule, data.chat_template; an episode's first observation follows it too)."""
+    if chat:
+      return self.apply_chat_template_ids([{"role": "user", "content": text}])
+    return self.encode(text)
+
 
 def build_char_tokenizer(alphabet: str = CHAR_ALPHABET,
                          special_tokens: Sequence[str] = CHAR_SPECIAL_TOKENS,
