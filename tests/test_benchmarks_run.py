@@ -3,7 +3,7 @@
 Nothing else runs the scripts in benchmarks/, and two of them stopped running unseen (tunix_compare lost
 flags the runners read; mux.py divided by zero at few steps). These runs check that each script starts,
 does its work and writes its rows with the fields its RESULTS section quotes; they time nothing.
-`make test-benchmarks` (CI, after `make test`); not part of `make test` (about 5 minutes of subprocesses).
+`make test-benchmarks` (CI, after `make test`); not part of `make test` (about 3.5 minutes of subprocesses).
 Not here: tunix_compare.py (needs google-tunix, which the project does not install), serve.py (the
 JetStream extra: tests_jetstream/test_serve_benchmark.py), gpu_decode.sh (a GPU)."""
 

@@ -90,7 +90,7 @@ def test_sampled_engine_matches_dense_decoder(tiny, impl):
 
 
 def test_sampler_logprobs_equal_trainer_logprobs():
-  """The invariant of DESIGN §6: at the same weights the trainer recomputes the sampler's log-probs.
+  """The sampler = trainer invariant: at the same weights the trainer recomputes the sampler's log-probs.
 
   Observed max |Δ| 2.4e-6 (fast) / 3.8e-6 (reference) at weight noise 0.1. The gap is fp32 rounding
   of incremental (prefill + decode) vs one-pass attention, and grows with the logits: at noise 0.3

@@ -1,7 +1,7 @@
 """RewardPool: weighted reward functions run in killable worker processes, with a timeout per call.
 
 A reward function is user code: it may raise, hang, crash its process, or return the wrong thing.
-None of that may stop a training run (DESIGN.md §7). The pool therefore runs the functions in
+None of that may stop a training run. The pool therefore runs the functions in
 worker processes and scores every failure with `error_score`, counting it:
 
   errors:   the function raised, its worker died, or it returned the wrong number of scores or a

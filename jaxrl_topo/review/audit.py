@@ -1,4 +1,4 @@
-"""Data-path review, part two: where staleness is bounded and which phases overlap (DESIGN §1.5, §4-5).
+"""Data-path review, part two: where staleness is bounded and which phases overlap.
 
 Two audits of a run (the overlap one lives in review/overlap.py), both plain data in and a frozen report
 out (`to_dict` for JSON, `to_markdown` for humans):
@@ -69,7 +69,7 @@ _BETWEEN_BATCHES = ("weights land between batches (`land(flight, 'keep_kv')` aft
 
 
 class StalenessViolation(AssertionError):
-  """An observed weight lag exceeded the configured bound eta (the invariant of DESIGN §6)."""
+  """An observed weight lag exceeded the configured bound eta (the bounded-staleness invariant)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every figure comes from the model code's own parameter shapes and logical axes (
 allocated) and the run's topology and rule sets, so it works for clusters and models far too big to build.
 Bytes are exact integers; 1 GB = 1e9 bytes. What moves in one step, and the model used for each:
 
-  weight sync      trainer -> rollout, once per step (DESIGN §4, last arrow).
+  weight sync      trainer -> rollout, once per step.
                      full  = n_params x itemsize(dtype)
                      delta = changed_frac x full (TransferPlan sends whole changed buckets: changed_frac is the
                              expected fraction of bucket bytes that changed, not of values)

@@ -1,4 +1,4 @@
-"""Data-path review: the overlap audit of a run's timeline (DESIGN §4; re-exported by review/audit.py).
+"""Data-path review: the overlap audit of a run's timeline (re-exported by review/audit.py).
 
   overlap_audit(spans, predicted)    per-phase seconds (total and per-step median), which phase pairs overlapped
                                      in time and by how much, which ran serialised, each side's idle fraction,

@@ -188,5 +188,6 @@ def value_loss(values_BT: jax.Array, old_values_BT: jax.Array, returns_BT: jax.A
   return _zero_masked(loss_BT, mask_BT), jax.lax.stop_gradient(metrics)
 
 
-# Selected by config name; shared signature fn(logp_BT, old_logp_BT, adv_BT, mask_BT, **hyper).
+# The policy losses by their LossConfig.policy_loss name (train/step.py calls each with its own
+# hyper-parameters); shared signature fn(logp_BT, old_logp_BT, adv_BT, mask_BT, **hyper).
 POLICY_LOSS_FNS = {"ppo": ppo_clip, "gspo": gspo, "cispo": cispo}

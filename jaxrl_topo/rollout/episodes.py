@@ -2,7 +2,7 @@
 
 A request with `max_turns > 0` is an episode. Each model turn ends like a completion (EOS, a stop id,
 a stop string); the slot is then parked (pages kept, no decoding) and the stream's `turns` handler
-is given the sample. The handler (runtime/episodes.py runs environments in the worker pool) answers,
+is given the sample. The handler (envs/turns.py EnvTurns runs environments in the worker pool) answers,
 possibly much later, with tokens to append (the environment's reply with the chat template's role
 markers, tokenized once) or with None and a finish reason. The sampled tokens are never re-tokenized:
 the sample's ids are exactly those sampled and appended, in order.

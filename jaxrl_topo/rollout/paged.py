@@ -56,7 +56,7 @@ reading the cache you have and the cache you might have. Every row pays for the 
 loses to `bucketed` there (tiny preset, 16 slots, ~64-token contexts: 0.30 ms a step against 0.9);
 on GPU a fused Pallas kernel that reads pages in place removes the gather copy altogether.
 Note for anyone wrapping a decode step: a `lax.cond` whose branches carry the pool (e.g. to skip
-idle steps) makes XLA copy the whole pool every step; engine.generate stops early with a
+idle steps) makes XLA copy the whole pool every step; device.generate stops early with a
 `while_loop` condition instead.
 
 Writes: each token's K/V is scattered to (page, slot). A position whose page is -1 (unassigned:

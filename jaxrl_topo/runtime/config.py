@@ -4,7 +4,7 @@ The ConfigDict of `configs/<name>.py` has one section per dataclass below (the *
 
   model     ModelSpec          which weights (a preset shape, or a local HF directory)
   data      PromptDataConfig   prompts (data/pipeline.py); data.task holds a built-in task's knobs
-  rollout   RolloutSpec        group size, sampling, engine sizes, weight-update policy
+  rollout   RolloutSpec        sampling, engine sizes, weight-update policy
   reward    RewardSpec         reward functions, worker pool, DAPO dynamic sampling and overlong shaping
   rl        LossConfig         the objective (train/config.py); rl.group_size is the rollout's too
   optim     OptimConfig        AdamW and its schedule

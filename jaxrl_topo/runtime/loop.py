@@ -1,4 +1,4 @@
-"""The RL controller: one loop, three modes, the same algorithm code (DESIGN §4-5).
+"""The RL controller: one loop, three modes, the same algorithm code.
 
 A rollout batch k is produced by the engine under some weight version, scored, and consumed by train
 step k; after step k the trainer's weights are version k + 1 and are synced to the rollout side.
@@ -7,7 +7,9 @@ The modes differ only in what may overlap, which the loop expresses with one bou
 
   colocated      eta = 0: rollout k, train k, sync; one set of devices, the KV pool released while training
   disaggregated  eta = 1: rollout k+1 runs on its own devices while train k (dispatched, not awaited) runs;
-                 weights land between batches, so batch k+1 is one version behind (eta = 0: sequential)
+                 weights land between batches (under rollout.continuous, while later batches' sequences
+                 may be live: the update policy applies), so batch k+1 is one version behind (eta = 0:
+                 sequential)
   async          eta >= 1: rollout batches run back to back; a finished train step's weights land between
                  decode chunks under the engine's update policy, so a sequence can mix versions
 

@@ -1,4 +1,4 @@
-"""The rollout side of one RL step: draw prompts, generate G samples each, score them (DESIGN §4).
+"""The rollout side of one RL step: draw prompts, generate G samples each, score them.
 
 Two ways to produce batch k, one result (`Trajectories`):
 
@@ -57,7 +57,7 @@ def _devices(mesh) -> list[int]:
 
 
 def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, start: float, end: float) -> dict:
-  """One timeline entry (DESIGN §4: every arrow is a named span); times are time.perf_counter()."""
+  """One timeline entry (every arrow of the step is a named span); times are time.perf_counter()."""
   return {"phase": phase, "role": role, "devices": devices, "step": step, "gen_id": gen_id, "start": start,
           "end": end}
 

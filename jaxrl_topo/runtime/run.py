@@ -14,7 +14,7 @@ step), the batches already produced for later steps (disaggregated / async: gene
 weights, runtime/inflight.py) and the prompt iterator as it was after the last of them. A batch still
 being generated at the checkpoint (async) is regenerated from the same prompts under the restored
 weights. So colocated and disaggregated runs repeat the uninterrupted run's later steps exactly
-(sampling keys come from (seed, step, sequence, position)); async ones do with run.deterministic=True
+(sampling keys come from (seed, sequence id, position)); async ones do with run.deterministic=True
 when no batch was mid-generation at the checkpoint, and otherwise keep every prompt and the bound.
 Checkpoints every `run.checkpoint_every` steps (default 10) and at the end.
 """

@@ -98,14 +98,16 @@ class RolloutSpec:
   n_pages: int = 0  # 0: enough for every slot at full length (no preemption)
   decode_chunk: int = 8
   # with nobody watching chunk boundaries (colocated batches, launchers/generate.py) a chunk doubles up to
-  # this many decode steps while its longest row needs them (fewer host round trips); 0: chunks of 4 x decode_chunk
+  # this many decode steps while its longest row needs them (fewer host round trips); 0: never past tail_chunk's
   max_chunk: int = 256
   # with the loop watching chunk boundaries (disaggregated, async, episodes), steps per chunk: how often weights may
   # land and groups free their slots, against host round trips; 0: 4 x decode_chunk
   tail_chunk: int = 0
   overlap: bool = True  # dispatch decode chunk k+1 before reading chunk k's tokens (host and device work overlap)
   min_bucket: int = 16  # prompts are prefilled padded to a power of two >= this (fewer programs, more padding)
-  update_policy: str = "keep_kv"  # async mode: how weights land between decode chunks
+  # how weights land between decode chunks: async, and disaggregated under rollout.continuous (the stream may hold
+  # later batches' live sequences when a step's weights land)
+  update_policy: str = "keep_kv"
   stop: tuple[str, ...] = ()  # a completion also ends at any of these strings (e.g. "\n")
   eval_greedy: bool = True  # held-out accuracy with greedy decoding
   kv_dtype: str | None = None  # KV pool dtype ("bfloat16", "float32", ...); None = the model's compute dtype
@@ -202,7 +204,7 @@ class RunSpec:
   # launchers/train.py: start the workdir over (delete its checkpoints, init_model, metrics) instead of
   # refusing a workdir of another run; the same as --fresh. Saved as False in the run's config.json.
   fresh: bool = False
-  seed: int = 0  # rollout sampling keys come from (seed, step, sequence, position)
+  seed: int = 0  # rollout sampling keys come from (seed, sequence id unique over the run, position)
   n_micro: int = 1  # microbatches per train step
   eval_every: int = 0  # held-out accuracy every N steps (0: only before and after)
   eval_size: int = 0  # held-out prompts per evaluation (0: all)

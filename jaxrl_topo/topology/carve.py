@@ -1,4 +1,4 @@
-"""Carving the devices into per-role meshes: a run's mode is just how the devices are split (DESIGN §5).
+"""Carving the devices into per-role meshes: a run's mode is just how the devices are split.
 
   cfg = TopologyConfig(mode="disaggregated", trainer_axes=(("fsdp", 4),), rollout_axes=(("data", 2), ("tensor", 2)))
   topo = carve(cfg)                   # devices 0-3 train, 4-7 generate; nothing is compiled
