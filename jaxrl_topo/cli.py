@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging as std_logging
 import os
 import re
@@ -179,15 +180,38 @@ def _set_nones(keys: list[str]) -> None:
   if "config" not in flags.FLAGS or flags.FLAGS["config"].value is None:
     raise UserError(f"--config.{keys[0]}=None without a --config file")
   for key in keys:
-    *path, last = key.split(".")
-    node = flags.FLAGS["config"].value
-    try:
-      for name in path:
-        node = node[name]
-      node[last]  # noqa: B018 (a missing key raises, as any other override's would)
-    except (KeyError, TypeError):
-      raise UserError(f"--config.{key}=None: no config key {key}") from None
-    node[last] = None
+    apply_override(flags.FLAGS["config"].value, f"{key}=None", f"--config.{key}=None")
+
+
+def _value(text: str):
+  """An override's value: a Python literal, "none" as None (as `--config.key=none` is), else the bare string."""
+  if text == "none":
+    return None
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text  # a bare string
+
+
+def apply_override(config, item: str, where: str = "") -> None:
+  """`a.b.c=value` into a locked ConfigDict; an unknown key is rejected as train.py's `--config.a.b.c=v` is (the
+  same lookup, ml-collections' `config_path`, and cli.message's words: "did you mean ..."). `where`: how the
+  error names the item (default `override 'a.b.c=value'`)."""
+  from ml_collections.config_flags import config_path
+
+  where = where or f"override {item!r}"
+  key, _, text = item.partition("=")
+  if not key or not _:
+    raise UserError(f"{where}: expected key=value")
+  *path, last = key.split(".")
+  try:
+    config_path.get_type(key, config)  # the key exists (else the nearest one is named)
+    node = config
+    for p in path:
+      node = node[p]
+    node[last] = _value(text)
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    raise UserError(f"{where}: {message(e)}") from None
 
 
 _PATH_FLAGS = ("workdir", "out")  # the launchers' path flags: an empty value is refused when parsed

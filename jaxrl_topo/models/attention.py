@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_topo.models import layers
+from jaxrl_topo.models.config import ATTENTION_IMPLS
 
-IMPLEMENTATIONS = ("flash", "reference", "xla", "cudnn")
+IMPLEMENTATIONS = ATTENTION_IMPLS
 _MASKED = -1e30  # finite: a tile whose entries are all masked keeps a finite running max
 
 

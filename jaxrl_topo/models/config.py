@@ -15,6 +15,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("flash", "reference", "xla", "cudnn")  # models/attention.py
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -69,8 +70,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {DTYPES}")
-    if self.attention not in ("flash", "reference", "xla", "cudnn"):
-      raise ValueError(f"ModelConfig.attention={self.attention!r}; expected flash, reference, xla or cudnn")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
     if self.attn_block < 1:
       raise ValueError(f"ModelConfig.attn_block={self.attn_block} must be positive")
     if self.family == "qwen2" and self.o_bias:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import os
 from collections.abc import Sequence
 
-from jaxrl_topo.cli import UserError, message
+from jaxrl_topo.cli import UserError, apply_override
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -20,34 +19,6 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     else:
       rest.append(a)
   return rest, common
-
-
-def _value(text: str):
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text  # a bare string
-
-
-def apply_override(config, item: str, where: str = "") -> None:
-  """`a.b.c=value` into a locked ConfigDict; an unknown key is rejected as train.py's `--config.a.b.c=v` is (the
-  same lookup, ml-collections' `config_path`, and cli.message's words: "did you mean ..."). `where`: how the
-  error names the item (default `override 'a.b.c=value'`)."""
-  from ml_collections.config_flags import config_path
-
-  where = where or f"override {item!r}"
-  key, _, text = item.partition("=")
-  if not key or not _:
-    raise UserError(f"{where}: expected key=value")
-  *path, last = key.split(".")
-  try:
-    config_path.get_type(key, config)  # the key exists (else the nearest one is named)
-    node = config
-    for p in path:
-      node = node[p]
-    node[last] = _value(text)
-  except (KeyError, AttributeError, TypeError, ValueError) as e:
-    raise UserError(f"{where}: {message(e)}") from None
 
 
 def parse_job(spec: str, common: Sequence[str], index: int):

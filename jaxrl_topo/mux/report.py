@@ -8,18 +8,18 @@ phase's end, or from `t_from` (e.g. after every job's first cycle, which compile
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 from jaxrl_topo.review.overlap import union_length
 from jaxrl_topo.review.plots import _new_figure
+from jaxrl_topo.runtime.metrics import read_jsonl
 
 POOLS = ("rollout", "train")
 
 
 def read_spans(path: str) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """A group's spans file (MUX_SPANS); a torn last line (a killed group) is skipped, as a run's spans are."""
+  return read_jsonl(path)
 
 
 def busy_fractions(spans: Sequence[Mapping], t_from: float | None = None) -> dict[str, float]:

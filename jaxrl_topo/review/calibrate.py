@@ -5,7 +5,6 @@ sync times equal the measured medians."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -13,14 +12,14 @@ import numpy as np
 
 from jaxrl_topo.review import simulator
 from jaxrl_topo.review.simulator import SimParams
+from jaxrl_topo.runtime.metrics import read_jsonl
 
 _SPAN_KEYS = ("phase", "role", "devices", "step", "start", "end")
 
 
 def load_spans(path: str) -> list[dict]:
-  """Reads a spans.jsonl (one JSON object per line; blank lines skipped)."""
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """Reads a spans.jsonl (one JSON object per line; blank lines and a torn last line of a killed run skipped)."""
+  return read_jsonl(path)
 
 
 def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[float]:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxrl_topo.models.config import ATTENTION_IMPLS
 from jaxrl_topo.rollout import engine_config
 from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
@@ -33,8 +34,8 @@ class ModelSpec:
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"model.dtype={self.dtype!r}; expected 'float32' or 'bfloat16'")
-    if self.attention not in ATTENTION:
-      raise ValueError(f"model.attention={self.attention!r}; expected one of {ATTENTION}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"model.attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
     if self.attn_block < 8:
@@ -52,7 +53,6 @@ _NOT_ARCHITECTURE = {"attention": "set model.attention", "attn_block": "set mode
                      "param_dtype": "training keeps fp32 parameters (model.dtype sets the compute dtype)"}
 
 
-ATTENTION = ("flash", "reference", "xla", "cudnn")
 PRECISIONS = ("default", "high", "highest")
 LOGPROBS = ("fused", "separate")
 

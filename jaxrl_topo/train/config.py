@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxrl_topo.rl.core import AGG_MODES
+from jaxrl_topo.rl.losses import KL_KINDS
 from jaxrl_topo.rl.offpolicy import IS_LEVELS
 from jaxrl_topo.runtime.dataclass_io import check_ranges, check_types
 
@@ -13,7 +15,7 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
 TOKEN_REWARD_ADVANTAGES = ("reinforce_pp", "gae")  # the advantages computed from per-token rewards
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 POLICY_LOSS_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}  # agg=None
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # rl/core.py
+AGGREGATIONS = AGG_MODES  # rl/core.py
 CRITICS = ("none", "shared", "separate")
 DECAY_MASKS = ("all", "matrices")  # OptimConfig.weight_decay_mask
 
@@ -111,7 +113,7 @@ class LossConfig:
                        f"{self.advantage!r} never reads (it compares outcome rewards within a group), so the KL would "
                        f"apply nowhere: keep it a loss term (kl_in_reward=False), or use advantage="
                        f"{' or '.join(map(repr, TOKEN_REWARD_ADVANTAGES))}")
-    if self.kl_kind not in ("k1", "k2", "k3"):
+    if self.kl_kind not in KL_KINDS:
       raise ValueError(f"LossConfig.kl_kind={self.kl_kind!r}; expected k1, k2 or k3")
     if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)) or (
         self.dual_clip is not None and self.dual_clip <= 1):
