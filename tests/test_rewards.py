@@ -166,3 +166,12 @@ def test_pool_inline_mode():
     res = pool.score(["", ""], ["ab", "c"])
   np.testing.assert_array_equal(res.total_N, [4.5, 2.5])
   assert res.errors == 2
+
+
+def test_the_old_rl_names_still_import():
+  """The README promises `jaxrl_topo.rl.rewards`, `.reward_pool` and `.reward_worker` still import (aliases of the
+  envs/ modules they moved to); nothing else imports them, so this is what keeps that true."""
+  import importlib
+
+  for name in ("rewards", "reward_pool", "reward_worker"):
+    assert importlib.import_module(f"jaxrl_topo.rl.{name}") is importlib.import_module(f"jaxrl_topo.envs.{name}")

@@ -77,10 +77,6 @@ class ModelConfig:
     if self.family == "qwen2" and self.o_bias:
       raise ValueError("qwen2 has bias on q/k/v only; o_bias=True is not a Qwen2 model")
 
-  @property
-  def q_per_kv(self) -> int:
-    return self.n_heads // self.n_kv_heads
-
 
 def num_params(cfg: ModelConfig) -> int:
   """Analytic parameter count, the way HF counts it (tied embeddings counted once)."""

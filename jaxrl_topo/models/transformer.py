@@ -129,9 +129,6 @@ class Block(nnx.Module):
     return constrain(x_BTD, ("batch", "length", "embed"), sharding), cache
 
 
-REMAT = ("none", "block")  # or the name of a jax.checkpoint_policies policy, e.g. "dots_saveable"
-
-
 def remat_policy(remat: str | bool):
   """None (no remat), or the checkpoint policy of each block: "block" saves only the block's input
   and recomputes everything inside it; a jax.checkpoint_policies name saves what that policy keeps."""

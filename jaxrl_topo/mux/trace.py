@@ -88,10 +88,6 @@ class Replay:
   kinds: dict  # placement decisions: pack / scale / new -> count
   decide_ms: float  # mean placement decision time
 
-  @property
-  def per_h(self) -> float:
-    return self.cost / self.span_s * 3600.0
-
 
 def solo_jct(j: pl.JobProfile) -> float:
   return j.iters * pl.solo_s(j, actual=True)
