@@ -10,17 +10,13 @@ on. Calls are (key, example, model texts so far); results come back as they fini
 from __future__ import annotations
 
 import collections
-import math
-import multiprocessing
-import multiprocessing.connection
 import signal
 import sys
 import time
-import weakref
 from collections.abc import Hashable, Mapping, Sequence
 
 from jaxrl_topo.envs import env as env_lib
-from jaxrl_topo.envs.reward_worker import KILL_GRACE_S, Worker, stop_all
+from jaxrl_topo.envs.reward_worker import Worker, WorkerPool
 
 
 def env_worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
@@ -50,30 +46,26 @@ def env_worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
 Result = tuple[Hashable, str, object]  # (key, "ok" | "error" | "timeout", replay's result or the reason)
 
 
-class EnvPool:
+class EnvPool(WorkerPool):
   """One environment (import path) run in `n_workers` killable processes. See the module docstring."""
+
+  what = "an environment worker"
 
   def __init__(self, path: str, *, n_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 60.0):
     if n_workers < 0 or timeout_s <= 0:
       raise ValueError(f"need n_workers >= 0 and timeout_s > 0; got {n_workers}, {timeout_s}")
     self.path, self.timeout_s = path, timeout_s
     self._make = env_lib.resolve(path)  # fails here, before any worker starts
-    self._ctx = multiprocessing.get_context("spawn")
-    self._start_timeout_s = start_timeout_s
-    self._workers: list[Worker] = []
     self._todo: collections.deque = collections.deque()
     self._done: list[Result] = []
-    self._finalizer = weakref.finalize(self, stop_all, self._workers)
-    try:
-      self._workers += [self._new_worker() for _ in range(n_workers)]
-      while not all(w.ready for w in self._workers):
-        self._wait(None)
-    except BaseException:
-      self.close()
-      raise
+    self._start_workers(n_workers, start_timeout_s)
 
   def _new_worker(self) -> Worker:
-    return Worker(self._ctx, list(sys.path), [self.path], self._start_timeout_s, target=env_worker_main)
+    return Worker(self._ctx, list(sys.path), [self.path], self._start_timeout_s, target=env_worker_main,
+                  name="env-worker")
+
+  def _finished(self, call, kind: str, payload) -> None:
+    self._done.append((call, kind, payload))
 
   def submit(self, key: Hashable, example: Mapping, model_texts: Sequence[str]) -> None:
     if not self._workers:
@@ -92,8 +84,10 @@ class EnvPool:
     """Finished calls; with `block`, waits until there is at least one (if any call is pending)."""
     self._dispatch()
     self._wait(0.0)
+    self._dispatch()
     while block and not self._done and self.busy():
       self._wait(None)
+      self._dispatch()
     out, self._done = self._done, []
     return out
 
@@ -108,51 +102,6 @@ class EnvPool:
           self._replace(w)
           continue
         w.call, w.deadline = key, time.monotonic() + self.timeout_s
-
-  def _replace(self, w: Worker) -> None:
-    w.stop(graceful=False)
-    self._workers[self._workers.index(w)] = self._new_worker()
-
-  def _wait(self, timeout: float | None) -> None:
-    active = [w for w in self._workers if w.call is not None or not w.ready]
-    deadlines = [w.deadline if w.ready else w.start_deadline for w in active]
-    wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
-    if timeout is not None:
-      wait = min(wait, timeout)
-    watched = [x for w in active for x in (w.conn, w.proc.sentinel)]
-    fired = set(multiprocessing.connection.wait(watched, wait)) if watched else set()
-    now = time.monotonic()
-    for w in list(self._workers):
-      if w.conn in fired or w.proc.sentinel in fired:
-        self._collect(w)
-      elif w.call is not None and now >= w.deadline:
-        self._done.append((w.call, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced"))
-        self._replace(w)
-      elif not w.ready and now >= w.start_deadline:
-        raise RuntimeError(f"an environment worker did not start within {self._start_timeout_s} s")
-    self._dispatch()
-
-  def _collect(self, w: Worker) -> None:
-    try:
-      kind, payload = w.conn.recv() if w.conn.poll() else ("died", None)
-    except (EOFError, OSError):
-      kind, payload = "died", None
-    if kind == "ready":
-      w.ready = True
-    elif kind == "init_error":
-      raise RuntimeError(f"an environment worker could not resolve {self.path!r}: {payload}")
-    elif not w.ready:
-      raise RuntimeError(f"an environment worker died while starting (exit code {w.proc.exitcode})")
-    elif kind == "died":
-      w.proc.join(KILL_GRACE_S)
-      self._done.append((w.call, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced"))
-      self._replace(w)
-    else:
-      self._done.append((w.call, kind, payload))
-      w.call, w.deadline = None, math.inf
-
-  def close(self) -> None:
-    self._finalizer()
 
   def __enter__(self) -> EnvPool:
     return self

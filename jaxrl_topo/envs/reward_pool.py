@@ -38,11 +38,8 @@ it for tests and small demos.
 
 import dataclasses
 import math
-import multiprocessing
-import multiprocessing.connection
 import sys
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -51,7 +48,7 @@ from absl import logging
 
 from jaxrl_topo.cli import UserError
 from jaxrl_topo.envs import rewards
-from jaxrl_topo.envs.reward_worker import KILL_GRACE_S, Worker, stop_all
+from jaxrl_topo.envs.reward_worker import Worker, WorkerPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +199,10 @@ def score_inline(fns: Sequence[tuple[str, float]], prompts: Sequence[str], compl
   return _score_specs(_resolve_all(fns), prompts, completions, metadata, error_score, chunk_size)
 
 
-class RewardPool:
+class RewardPool(WorkerPool):
   """Weighted reward functions run in `n_workers` killable processes. See the module docstring."""
+
+  what = "a reward worker"
 
   def __init__(self, fns: Sequence[tuple[str, float]], *, n_workers: int = 2, timeout_s: float = 10.0,
                error_score: float = 0.0, chunk_size: int | None = None, start_timeout_s: float = 60.0,
@@ -219,24 +218,15 @@ class RewardPool:
     self.breaker = CircuitBreaker(max_error_frac, max_error_calls)
     self._specs = _resolve_all(fns)  # fails here, before any worker starts
     self.n_workers, self.timeout_s, self.error_score, self.chunk_size = n_workers, timeout_s, error_score, chunk_size
-    self._start_timeout_s = start_timeout_s
-    self._ctx = multiprocessing.get_context("spawn")
-    self._workers: list[Worker] = []
     self._closed = False
     self._next_ticket = 0
     self._todo: deque = deque()  # calls (ticket, function index, lo, hi) not handed to a worker yet
     self._jobs: dict[int, tuple] = {}  # ticket -> (n, prompts, completions, metadata, its calls)
-    self._outcomes: dict = {}  # finished calls (see _wait)
+    # finished calls: (ticket, function index, lo, hi) -> (scores, "error", "") on success, or (None, "error" |
+    # "timeout", why) on failure (_finished)
+    self._outcomes: dict = {}
     self._inline: dict[int, RewardResult] = {}  # tickets scored at submit (no workers)
-    self._finalizer = weakref.finalize(self, stop_all, self._workers)
-    try:
-      for _ in range(n_workers):
-        self._workers.append(self._new_worker())
-      while not all(w.ready for w in self._workers):
-        self._wait()
-    except BaseException:
-      self.close()
-      raise
+    self._start_workers(n_workers, start_timeout_s)
 
   @property
   def worker_pids(self) -> list[int]:
@@ -245,53 +235,10 @@ class RewardPool:
   def _new_worker(self) -> Worker:
     return Worker(self._ctx, list(sys.path), [s.name for s in self._specs], self._start_timeout_s)
 
-  def _replace(self, w: Worker) -> None:
-    w.stop(graceful=False)
-    self._workers[self._workers.index(w)] = self._new_worker()
-
-  def _wait(self, timeout: float | None = None) -> None:
-    """Waits for one event (a reply, a death, a deadline; at most `timeout` s when given) and handles
-    every event that has happened. A finished call goes into `self._outcomes`: (ticket, function index,
-    lo, hi) -> (scores, "error", "") on success, or (None, "error" | "timeout", why) on failure."""
-    active = [w for w in self._workers if w.call is not None or not w.ready]
-    deadlines = [w.deadline if w.ready else w.start_deadline for w in active]
-    wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-    if timeout is not None:
-      wait = timeout if wait is None else min(wait, timeout)
-    watched = [x for w in active for x in (w.conn, w.proc.sentinel)]
-    fired = set(multiprocessing.connection.wait(watched, wait)) if watched else set()
-    now = time.monotonic()
-    for w in list(self._workers):
-      if w.conn in fired or w.proc.sentinel in fired:
-        self._collect(w)
-      elif w.call is not None and now >= w.deadline:
-        self._outcomes[w.call] = (None, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
-        self._replace(w)
-      elif not w.ready and now >= w.start_deadline:
-        raise RuntimeError(f"a reward worker did not start within {self._start_timeout_s} s")
-
-  def _collect(self, w: Worker) -> None:
-    try:
-      kind, payload = w.conn.recv() if w.conn.poll() else ("died", None)
-    except (EOFError, OSError):
-      kind, payload = "died", None
-    if kind == "ready":
-      w.ready = True
-    elif kind == "init_error":
-      raise RuntimeError(f"a reward worker could not resolve its functions: {payload}")
-    elif not w.ready:
-      raise RuntimeError(f"a reward worker died while starting (exit code {w.proc.exitcode}). Workers are spawned "
-                         "and import your main module again: a script that starts training must do so under "
-                         "`if __name__ == \"__main__\":`")
-    elif kind == "died":
-      w.proc.join(KILL_GRACE_S)  # reap it, so that its exit code is known
-      self._outcomes[w.call] = (None, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
-      self._replace(w)
-    else:
-      _, _, lo, hi = w.call
-      scores, why = _vet(payload, hi - lo) if kind == "ok" else (None, payload)
-      self._outcomes[w.call] = (scores, "error", why)
-      w.call, w.deadline = None, math.inf
+  def _finished(self, call, kind: str, payload) -> None:
+    _, _, lo, hi = call
+    scores, why = _vet(payload, hi - lo) if kind == "ok" else (None, payload)
+    self._outcomes[call] = (scores, "timeout" if kind == "timeout" else "error", why)
 
   def score(self, prompts: Sequence[str], completions: Sequence[str],
             metadata: Sequence[dict] | None = None) -> RewardResult:
@@ -382,7 +329,7 @@ class RewardPool:
   def close(self) -> None:
     """Stops and joins every worker. Idempotent."""
     self._closed = True
-    self._finalizer()
+    super().close()
 
   def __enter__(self) -> "RewardPool":
     return self

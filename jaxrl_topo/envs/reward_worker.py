@@ -1,11 +1,15 @@
-"""The reward pool's worker processes (reward_pool.py): one spawned interpreter per worker, answering
-(function index, prompts, completions, metadata) calls over a pipe until told to stop."""
+"""Worker processes for user code: one spawned interpreter per worker, answering calls over a pipe until told to
+stop. `WorkerPool` is what the reward pool (reward_pool.py) and the environment pool (env_pool.py) share: starting
+workers, replacing one that hangs or dies, and waiting for replies, deaths and deadlines."""
 
 import contextlib
 import math
+import multiprocessing
+import multiprocessing.connection
 import signal
 import sys
 import time
+import weakref
 
 from jaxrl_topo.envs import rewards
 
@@ -40,10 +44,10 @@ def worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
 class Worker:
   """One worker process and the parent's end of its pipe, plus the call it is running, if any."""
 
-  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float, target=None):
+  def __init__(self, ctx, sys_path: list[str], paths: list[str], start_timeout_s: float, target=None,
+               name: str = "reward-worker"):
     self.conn, child_conn = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=target or worker_main, args=(child_conn, sys_path, paths), daemon=True,
-                            name="reward-worker")
+    self.proc = ctx.Process(target=target or worker_main, args=(child_conn, sys_path, paths), daemon=True, name=name)
     self.proc.start()
     child_conn.close()
     self.ready = False
@@ -70,3 +74,82 @@ def stop_all(workers: list[Worker]) -> None:
   for w in workers:
     w.stop()
   workers.clear()
+
+
+class WorkerPool:
+  """Killable workers. A subclass names them (`what`, e.g. "a reward worker"), says what one runs
+  (`_new_worker`), and takes each finished call (`_finished(call, kind, payload)`: kind "ok" with the worker's
+  reply; "error" or "timeout" with why it failed); it sets `timeout_s` and dispatches calls itself (setting each
+  busy worker's `call` and `deadline`)."""
+
+  what = "a worker"
+  timeout_s: float
+
+  def _start_workers(self, n: int, start_timeout_s: float) -> None:
+    """Starts `n` workers and waits until each has reported ready (a failure to start raises, workers stopped)."""
+    self._ctx = multiprocessing.get_context("spawn")
+    self._start_timeout_s = start_timeout_s
+    self._workers: list[Worker] = []
+    self._finalizer = weakref.finalize(self, stop_all, self._workers)
+    try:
+      self._workers += [self._new_worker() for _ in range(n)]
+      while not all(w.ready for w in self._workers):
+        self._wait(None)
+    except BaseException:
+      self.close()
+      raise
+
+  def _new_worker(self) -> Worker:
+    raise NotImplementedError
+
+  def _finished(self, call, kind: str, payload) -> None:
+    raise NotImplementedError
+
+  def close(self) -> None:
+    """Stops and joins every worker. Idempotent."""
+    self._finalizer()
+
+  def _replace(self, w: Worker) -> None:
+    w.stop(graceful=False)
+    self._workers[self._workers.index(w)] = self._new_worker()
+
+  def _wait(self, timeout: float | None) -> None:
+    """Waits for one event (a reply, a death, a deadline; at most `timeout` s when given) and handles every event
+    that has happened: a call past its deadline is a "timeout" and its worker is replaced."""
+    active = [w for w in self._workers if w.call is not None or not w.ready]
+    deadlines = [w.deadline if w.ready else w.start_deadline for w in active]
+    wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    if timeout is not None:
+      wait = timeout if wait is None else min(wait, timeout)
+    watched = [x for w in active for x in (w.conn, w.proc.sentinel)]
+    fired = set(multiprocessing.connection.wait(watched, wait)) if watched else set()
+    now = time.monotonic()
+    for w in list(self._workers):
+      if w.conn in fired or w.proc.sentinel in fired:
+        self._collect(w)
+      elif w.call is not None and now >= w.deadline:
+        self._finished(w.call, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
+        self._replace(w)
+      elif not w.ready and now >= w.start_deadline:
+        raise RuntimeError(f"{self.what} did not start within {self._start_timeout_s} s")
+
+  def _collect(self, w: Worker) -> None:
+    try:
+      kind, payload = w.conn.recv() if w.conn.poll() else ("died", None)
+    except (EOFError, OSError):
+      kind, payload = "died", None
+    if kind == "ready":
+      w.ready = True
+    elif kind == "init_error":
+      raise RuntimeError(f"{self.what} could not resolve what it runs: {payload}")
+    elif not w.ready:
+      raise RuntimeError(f"{self.what} died while starting (exit code {w.proc.exitcode}). Workers are spawned and "
+                         "import your main module again: a script that starts training must do so under "
+                         "`if __name__ == \"__main__\":`")
+    elif kind == "died":
+      w.proc.join(KILL_GRACE_S)  # reap it, so that its exit code is known
+      self._finished(w.call, "error", f"killed its worker process (exit code {w.proc.exitcode}); replaced")
+      self._replace(w)
+    else:
+      call, w.call, w.deadline = w.call, None, math.inf
+      self._finished(call, kind, payload)
