@@ -41,7 +41,7 @@ from jaxrl_topo.rollout.paged import PagedKVCache
 from jaxrl_topo.rollout.pallas_paged import resolve_impl
 from jaxrl_topo.rollout.requests import MAX_STOP_IDS, Request, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
-from jaxrl_topo.rollout.scheduler import Stream
+from jaxrl_topo.rollout.stream import Stream
 from jaxrl_topo.topology.hostcomm import to_host
 
 __all__ = ["EngineConfig", "Request", "RolloutEngine", "Sample", "UPDATE_POLICIES", "generate", "prefill"]
@@ -395,7 +395,7 @@ class RolloutEngine:
   @contextlib.contextmanager
   def stream(self, on_chunk: Callable[[RolloutEngine], None] | None = None, on_group=None, *,
              key: jax.Array | None = None, sampling: SamplingConfig | None = None, turns=None):
-    """A `scheduler.Stream` open for the `with` block: batches added and returned while others decode.
+    """A `stream.Stream` open for the `with` block: batches added and returned while others decode.
     One stream generates at a time; another may open inside it (e.g. `run` for an evaluation) only
     while it is idle, and the outer stream's key and sampling come back after it."""
     outer = self._stream
