@@ -89,7 +89,7 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.runtime.workdir import check_shapes
   from jaxrl_topo.topology.carve import carve
 
-  check_shapes(cfg, carve(cfg.topology))  # enough devices? the weights and batch divide over the meshes?
+  check_shapes(cfg, carve(cfg.topology, warn=False))  # enough devices? the weights and batch divide over the meshes?
   if fresh:  # only now that every check has passed: a launch that cannot start deletes nothing
     gone = start_over(workdir) if jax.process_index() == 0 else []
     if jax.process_count() > 1:

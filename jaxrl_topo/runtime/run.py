@@ -69,7 +69,8 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
   with experiment_lib.matmul_precision(cfg):  # every program the run traces
     # A workdir recorded under another model or data is refused before anything is read or written there.
     workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
-    topology = carve(cfg.topology)  # enough devices? the weights and batch divide over the meshes? Still unwritten
+    # enough devices? the weights and batch divide over the meshes? Still unwritten (the build warns of idle devices)
+    topology = carve(cfg.topology, warn=False)
     workdir_lib.check_shapes(cfg, topology)
     workdir_lib.check_positions(cfg)
     workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary

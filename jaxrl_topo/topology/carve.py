@@ -210,8 +210,9 @@ def place(devices: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
   return groups
 
 
-def carve(cfg: TopologyConfig, devices: Sequence[jax.Device] | None = None) -> Topology:
-  """Splits `devices` (default: all, every process's) into the trainer, rollout and reward meshes."""
+def carve(cfg: TopologyConfig, devices: Sequence[jax.Device] | None = None, *, warn: bool = True) -> Topology:
+  """Splits `devices` (default: all, every process's) into the trainer, rollout and reward meshes. `warn=False`:
+  no warning about idle devices (a launch's checks carve before the build does, which warns once)."""
   devices = list(jax.devices() if devices is None else devices)
   ids = [d.id for d in devices]
   if len(set(ids)) != len(ids):
@@ -222,7 +223,7 @@ def carve(cfg: TopologyConfig, devices: Sequence[jax.Device] | None = None) -> T
   parts += f" + reward {w}" if w else ""
   if sum(sizes) > len(devices):
     raise ValueError(f"{cfg.mode} topology needs {sum(sizes)} devices: {parts}; only {len(devices)} exist")
-  if sum(sizes) < len(devices):
+  if sum(sizes) < len(devices) and warn:
     logging.warning("%s topology uses %d of %d devices (%s); the rest stay idle", cfg.mode, sum(sizes),
                     len(devices), parts)
   groups = place(devices, sizes)
