@@ -322,6 +322,7 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     ("run.checkpoint_every", -1, "run.checkpoint_every=-1 must be >= 0"),  # before: a checkpoint every step
     ("run.sft_target_accuracy", 5.0, "run.sft_target_accuracy=5.0 must be in [0, 1]"),
     ("run.sft_lr", -1.0, "run.sft_lr=-1.0 must be > 0"),
+    ("run.sft_max_grad_norm", -1.0, "run.sft_max_grad_norm=-1.0 must be >= 0"),
     ("run.profile_step", -2, "run.profile_step=-2 must be >= 0"),
     ("rl.kl_coef", -1.0, "LossConfig.kl_coef=-1.0 must be >= 0"),
     ("rl.gamma", 5.0, "LossConfig.gamma=5.0 must be in [0, 1]"),

@@ -16,6 +16,7 @@ import train_fixtures as fx
 from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.config import LossConfig, OptimConfig, TrainConfig
 from jaxrl_topo.train.optim import learning_rate, make_optimizer
+from jaxrl_topo.train.sft import sft_optimizer
 from jaxrl_topo.train.state import create_train_state
 from jaxrl_topo.train.step import advance_schedule, train_step
 
@@ -117,6 +118,10 @@ def test_cosine_schedule_and_global_norm_clip_by_hand():
   unclipped = two_updates(make_optimizer(OptimConfig(lr=0.1, max_grad_norm=0.0)), scaled(2.0), scaled(0.02))
   np.testing.assert_allclose(clipped, by_hand, rtol=1e-6)
   assert not np.allclose(unclipped, by_hand, rtol=1e-3), "the check must tell a clip from none"
+  # The supervised warm-up's optimizer (run.sft_max_grad_norm; before: never clipped) clips the same way.
+  sft_clipped = two_updates(sft_optimizer(0.1, 1.0), scaled(2.0), scaled(0.02))
+  np.testing.assert_allclose(sft_clipped, two_updates(sft_optimizer(0.1, 0.0), scaled(0.2), scaled(0.02)), rtol=1e-6)
+  assert not np.allclose(two_updates(sft_optimizer(0.1, 0.0), scaled(2.0), scaled(0.02)), sft_clipped, rtol=1e-3)
 
 
 def test_weight_decay_mask_by_hand():

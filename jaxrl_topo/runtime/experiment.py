@@ -16,7 +16,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from absl import logging
 
 from jaxrl_topo.data import pipeline
@@ -46,7 +45,7 @@ from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding
 from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.optim import make_optimizer
 from jaxrl_topo.train.policy import PolicyFns, model_fns
-from jaxrl_topo.train.sft import make_sft_step
+from jaxrl_topo.train.sft import make_sft_step, sft_optimizer
 from jaxrl_topo.train.state import TrainState, create_train_state
 from jaxrl_topo.train.step import batch_axes, make_logprobs_fn, make_train_step
 
@@ -164,8 +163,7 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
                            chat=cfg.data.chat_template, role=cfg.env.role, resp_len=resp_len)
   if not pairs:
     raise ValueError("run.sft_steps > 0 needs training prompts with reference answers")
-  tx = optax.adamw(rc.sft_lr)
-  step, opt_state = make_sft_step(fns, tx, params)
+  step, opt_state = make_sft_step(fns, sft_optimizer(rc.sft_lr, rc.sft_max_grad_norm), params)
   rng = np.random.default_rng(rc.seed)
   t0 = time.perf_counter()
   for i in range(rc.sft_steps):

@@ -34,6 +34,12 @@ def _step(params, opt_state, batch, *, fns, tx, chunk):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+def sft_optimizer(lr: float, max_grad_norm: float) -> optax.GradientTransformation:
+  """The warm-up's optimizer: AdamW at `lr`, its gradients first clipped to global norm `max_grad_norm` (0: none)."""
+  adam = optax.adamw(lr)
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm), adam) if max_grad_norm else adam
+
+
 def make_sft_step(fns: PolicyFns, tx: optax.GradientTransformation, params, *, chunk: int = 1024):
   """(step(params, opt_state, batch) -> (params, opt_state, loss), opt_state): jitted, params donated;
   params and optimizer moments keep the params' shardings."""
