@@ -414,3 +414,26 @@ def test_one_run_at_a_time_in_a_workdir(tmp_path):
     p.wait(timeout=60)
   with workdir.held(str(work)):  # the killed holder's file is still there; its lock is not
     assert (work / workdir.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_a_folder_of_a_run_is_refused_as_a_workdir(tmp_path):
+  """A workdir inside a run's own checkpoints/ (or tb/, init_model/) is refused: before, a run there wrote its
+  config.json, metrics and checkpoints/ into the other run's orbax folder, whose --fresh then refused to delete
+  them. A directory of one's own beside the run's files is fine."""
+  work = tmp_path / "w"
+  _fake_run(work, _config())
+  cfg = from_config_dict(_config())
+  for inside in ("checkpoints", "checkpoints/sub", "tb"):
+    with pytest.raises(ValueError, match=re.escape(f"is inside the run {work}'s own {inside.split('/')[0]}/")):
+      workdir.check_not_a_model(cfg, str(work / inside))
+  workdir.check_not_a_model(cfg, str(work / "mine"))
+
+
+def test_a_resume_names_what_its_config_changes(tmp_path):
+  """run.train resuming a run under another config (e.g. configs/dapo.py on a GRPO run) warns with this list
+  before config.json is replaced; before, it went on silently and the run's record changed under it."""
+  run_lib._record(from_config_dict(_config()), str(tmp_path))
+  changed = from_config_dict(_config(**{"rl.advantage": "dr_grpo", "run.steps": 400, "run.fresh": True}))
+  assert run_lib._config_changes(changed, str(tmp_path)) == [  # the schedule's length follows run.steps
+      "optim.total_steps: 300 -> 400", "rl.advantage: 'grpo' -> 'dr_grpo'", "run.steps: 300 -> 400"]
+  assert run_lib._config_changes(changed, str(tmp_path / "none")) is None

@@ -132,6 +132,10 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
         loop_lib.sync_weights(exp, start)
       logging.info("resumed from step %d of %s", start, workdir)
     if not new and start < cfg.run.steps:  # a relaunch that trains nothing leaves the run's record as it is
+      changed = _config_changes(cfg, workdir)
+      if changed and _main():  # e.g. another algorithm's config on this run: it goes on, but not unsaid
+        logging.warning("%s goes on from step %d under a changed config (its config.json is replaced): %s", workdir,
+                        start, "; ".join(changed))
       _record(cfg, workdir)
     if before is None:
       before = loop_lib.evaluate(exp, tag=0)
@@ -170,7 +174,7 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       if start >= cfg.run.steps and os.path.exists(path):  # nothing left to train: keep the run's own figures
         with open(path) as f:
           done = json.load(f)
-        summary.update({k: done[k] for k in RUN_FIGURES if done.get(k) is not None})
+        summary.update({k: done[k] for k in (*RUN_FIGURES, "mode") if done.get(k) is not None})
       with open(path, "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -297,24 +301,24 @@ def _record(cfg: RunConfig, workdir: str) -> None:
     save_config(config_dict(cfg), workdir)
 
 
-def _resume_hint(cfg: RunConfig, workdir: str) -> str:
-  """What a relaunch changed against the workdir's recorded config.json, for a checkpoint that does not fit."""
+def _config_changes(cfg: RunConfig, workdir: str) -> list[str] | None:
+  """'key: old -> new' for every config key a relaunch changes against the workdir's config.json (run.fresh
+  aside); None when that file does not load."""
   try:
     old = config_dict(load_config(workdir))
   except (OSError, ValueError, TypeError):
+    return None
+  return workdir_lib.config_changes(old, config_dict(cfg))
+
+
+def _resume_hint(cfg: RunConfig, workdir: str) -> str:
+  """What a relaunch changed against the workdir's recorded config.json, for a checkpoint that does not fit."""
+  diff = _config_changes(cfg, workdir)
+  if diff is None:
     return f"{workdir}'s checkpoints were saved by another configuration; start over with --fresh (run.fresh=True)"
-  diff = workdir_lib.identity_diff(_flat(old), _flat(config_dict(cfg)))  # 'key: old -> new', as a workdir check says
   return (f"{workdir}'s checkpoints were saved under its config.json (kept as it was); this launch changes "
           f"{'; '.join(diff[:8]) or 'nothing recorded'}{' ...' if len(diff) > 8 else ''}. Relaunch with that "
           f"config, or start over with --fresh (run.fresh=True)")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-  """{'section.key': leaf} of a nested dict."""
-  out = {}
-  for k, v in d.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-  return out
 
 
 def save_config(config, workdir: str) -> None:

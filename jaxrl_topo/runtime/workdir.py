@@ -48,6 +48,20 @@ def identity_diff(old: dict, new: dict) -> list[str]:
   return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def config_changes(old: dict, new: dict) -> list[str]:
+  """'key: old -> new' (identity_diff's words) for every key of two nested config dicts that differs, run.fresh
+  aside."""
+  return [d for d in identity_diff(_flat(old), _flat(new)) if not d.startswith("run.fresh:")]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  """{'section.key': leaf} of a nested dict."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 def has_run(workdir: str) -> bool:
   """Whether `workdir` holds a checkpoint or a preset's init_model/ (something a launch would resume)."""
   init_model = os.path.join(workdir, "init_model", "config.json")
@@ -83,6 +97,10 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
   if os.path.isfile(workdir):
     raise ValueError(f"{where} {workdir} is a file: name a directory (made if missing)")
   real = os.path.realpath(workdir)
+  run, folder = _run_around(real)
+  if run is not None:  # before: accepted, and the run's own --fresh then refused the files written there
+    raise ValueError(f"{where} {workdir} is inside the run {run}'s own {folder}/: a run there would write into "
+                     "that run's files; use another directory")
   for key, d in (("model.hf_dir", cfg.model.hf_dir), ("reward.model_dir", cfg.reward.model_dir)):
     if d is not None and os.path.realpath(d) == real:
       raise ValueError(f"{where} {workdir} is {key}: a run writes its own config.json there; use another directory")
@@ -99,6 +117,18 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
   if found:
     raise ValueError(f"{where} {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
                      "changed. Use another directory (a run writes its own config.json there)")
+
+
+def _run_around(real: str) -> tuple[str | None, str | None]:
+  """(a run's directory, the folder of it) when the real path `real` lies in one of a run's own folders
+  (checkpoints/, tb/, init_model/, ...); else (None, None)."""
+  path = real
+  while os.path.dirname(path) != path:
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    if name in RUN_FILES and any(os.path.isfile(os.path.join(parent, f)) for f in (IDENTITY_FILE, CONFIG_FILE)):
+      return parent, name
+    path = parent
+  return None, None
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:
