@@ -224,6 +224,13 @@ def _asks_for_help(argv: list[str]) -> bool:
   return any(a.startswith("-") and a.lstrip("-").split("=")[0] in _HELP_FLAGS for a in args)
 
 
+def unescape(text: str) -> str:
+  r"""`text` with \n, \t and \\ read as a newline, a tab and a backslash: a shell passes --stop='\n' as two
+  characters (before: generate.py's stop string was a backslash and an n, which no completion held)."""
+  escapes = {"n": "\n", "t": "\t", "\\": "\\"}
+  return re.sub(r"\\([nt\\])", lambda m: escapes[m.group(1)], text)
+
+
 def _flag_owner() -> dict:
   """define_*_flags' module_name for the launcher that called it: absl's --help lists only a script's own flags,
   and a flag defined here would otherwise belong to this module."""
@@ -231,9 +238,9 @@ def _flag_owner() -> dict:
   return {"module_name": sys.argv[0] if caller == "__main__" else caller}
 
 
-def launch(main: Callable[[list[str]], None], interrupted: str = "") -> None:
+def launch(main: Callable[[list[str]], None], interrupted: str | Callable[[], str] = "") -> None:
   """absl's app.run(main) with the behaviour described in the module doc; `interrupted`: what to tell the user
-  after a Ctrl-C (exit 130), e.g. how to resume."""
+  after a Ctrl-C (exit 130), e.g. how to resume, or a function that says it then."""
 
   def wrapped(argv):
     if not _LIBRARY_LOGS.value:
@@ -250,7 +257,8 @@ def launch(main: Callable[[list[str]], None], interrupted: str = "") -> None:
       _leave(e.code if isinstance(e.code, int) else 1)
     raise
   except KeyboardInterrupt:
-    print(f"interrupted{'; ' + interrupted if interrupted else ''}", file=sys.stderr)
+    said = interrupted() if callable(interrupted) else interrupted
+    print(f"interrupted{'; ' + said if said else ''}", file=sys.stderr)
     _leave(130)
   except Exception as e:  # noqa: BLE001 - every failure ends here, shown once
     pid = ""

@@ -1,4 +1,4 @@
-"""Generate completions for a JSONL file of prompts with a local Hugging Face model directory.
+r"""Generate completions for a JSONL file of prompts with a local Hugging Face model directory.
 
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
@@ -41,9 +41,15 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences decoded together.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the batch).")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
-_STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a completion ends right after it.")
+_STOP = flags.DEFINE_multi_string("stop", [], r"Stop string (repeatable): a completion ends right after it. "
+                                  r"\n, \t and \\ in it are a newline, a tab and a backslash (--stop='\n').")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
 _ENGINE = cli.define_engine_flags()
+
+
+def _stops() -> list[str]:
+  r"""--stop's strings, \n, \t and \\ read as a newline, a tab and a backslash (cli.unescape)."""
+  return [cli.unescape(s) for s in _STOP.value]
 
 
 def check_flags() -> SamplingConfig:
@@ -51,7 +57,7 @@ def check_flags() -> SamplingConfig:
   if _MAX_NEW.value < 1:
     raise ValueError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1")
   generate.check_sizes(_BATCH.value, _DATA.value, _TENSOR.value, name=lambda n: f"--{n}")
-  if "" in _STOP.value:  # the empty string is in every text: each completion would end at its first token
+  if "" in _stops():  # the empty string is in every text: each completion would end at its first token
     raise ValueError("--stop='' is empty: a stop string must be non-empty (an unset shell variable?)")
   if _GREEDY.value:  # as --help says: the sampling flags are ignored
     return SamplingConfig(greedy=True)
@@ -102,9 +108,10 @@ def main(argv: Sequence[str]) -> None:
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
-                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine, stop=_STOP.value)
+                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine, stop=_stops())
   stops = sum(r["finish_reason"] == "stop" for r in rows)
-  print(f"wrote {len(rows)} completions to {_OUT.value} ({stops} stopped, {len(rows) - stops} hit the length limit)")
+  print(f"wrote {len(rows)} completion{'' if len(rows) == 1 else 's'} to {_OUT.value} ({stops} stopped, "
+        f"{len(rows) - stops} hit the length limit)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Run a command as N cooperating JAX processes on this machine (jax.distributed over localhost).
+r"""Run a command as N cooperating JAX processes on this machine (jax.distributed over localhost).
 
   python launchers/local_multiprocess.py --num_processes=2 --devices_per_process=4 -- \
       python my_script.py --flag=value

@@ -1,4 +1,4 @@
-"""Run several RL jobs as one co-execution group on one rollout pool and one train pool (jaxrl_topo/mux/).
+r"""Run several RL jobs as one co-execution group on one rollout pool and one train pool (jaxrl_topo/mux/).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python launchers/mux.py \
       --job=configs/grpo_task.py:tiny --job=configs/dapo.py:tiny,run.seed=3 --workdir=/tmp/mux \
@@ -71,9 +71,13 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.mux import report
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.metrics import MetricsWriter
-  from jaxrl_topo.runtime.workdir import write_identity
+  from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, write_identity
 
   workdir = _WORKDIR.value
+  if has_run(workdir) or os.path.isfile(os.path.join(workdir, IDENTITY_FILE)) or os.path.isfile(
+      os.path.join(workdir, CONFIG_FILE)):  # before: the group's folders and files went in beside the run's
+    raise cli.UserError(f"--workdir {workdir} holds a run of launchers/train.py, not a group: give the group its own "
+                        "directory (each job gets a folder inside it)")
   group = checked_group(workdir)
   specs = [job.spec for job in group.jobs.values()]
   if others := other_job_folders(workdir, [s.job_id for s in specs]):

@@ -1,4 +1,4 @@
-"""The data-path review: a one-page decision record for a config, optionally folding in a measured run.
+r"""The data-path review: a one-page decision record for a config, optionally folding in a measured run.
 
   python launchers/review.py --config=configs/grpo_gsm8k.py:/models/qwen --out=review/ \
       [--workdir=RUN] [--train_s=30 --decode_tokens_per_s=2000 --link_gbps=100 --n_devices=64]

@@ -1,4 +1,4 @@
-"""Validate a topology: carve it, sync trainer -> rollout weights, check every shard bit for bit.
+r"""Validate a topology: carve it, sync trainer -> rollout weights, check every shard bit for bit.
 
   python launchers/sync_check.py --mode=disaggregated --trainer=fsdp=4 --rollout=data=2,tensor=2
   # across processes on this machine (2 x 4 CPU devices, jax.distributed + gloo):

@@ -1,4 +1,4 @@
-"""Train a policy with RL: one command for every algorithm and mode.
+r"""Train a policy with RL: one command for every algorithm and mode.
 
   python launchers/train.py --config=configs/grpo_task.py:tiny --workdir=/tmp/run \
       [--config.rl.group_size=8 --config.topology.mode=async ...] [--fresh] [--traceback]
@@ -102,5 +102,14 @@ def main(argv: Sequence[str]) -> None:
         f"({summary['steps']} steps, {summary['mode']}, {summary['wall_s']:.0f} s)")
 
 
+def _interrupted() -> str:
+  """What a Ctrl-C leaves: a checkpoint to resume from, or none yet (before: 'resume' was promised either way)."""
+  from jaxrl_topo.runtime.workdir import latest_checkpoint_step
+
+  if _WORKDIR.value and latest_checkpoint_step(_WORKDIR.value) is not None:
+    return "run the same command again to resume from the newest checkpoint"
+  return "no checkpoint was saved yet: the same command starts the run over (its warm-up included)"
+
+
 if __name__ == "__main__":
-  cli.launch(main, interrupted="run the same command again to resume from the newest checkpoint")
+  cli.launch(main, interrupted=_interrupted)

@@ -332,3 +332,17 @@ def test_ctrl_c_says_it_was_interrupted_and_how_to_go_on():
           "cli.launch(main, interrupted='run the same command again to resume')\n")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert r.returncode == 130 and "interrupted; run the same command again to resume" in r.stderr, r.stderr
+  # Said when it happens (train.py: a resume only once a checkpoint exists; before, it was promised during the
+  # warm-up too, when a rerun starts over)
+  code = code.replace("interrupted='run the same command again to resume'", "interrupted=lambda: 'nothing saved yet'")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 130 and "interrupted; nothing saved yet" in r.stderr, r.stderr
+
+
+def test_unescape_reads_a_shells_backslash_escapes():
+  r"""generate.py --stop='\n' arrives as a backslash and an n (before: that two-character string was the stop string,
+  which no completion held, so the README's generate command never stopped at the newline)."""
+  from jaxrl_topo import cli
+
+  assert cli.unescape(r"\n") == "\n" and cli.unescape(r"</a>\t") == "</a>\t"
+  assert cli.unescape(r"a\\nb") == "a\\nb" and cli.unescape("答案\n") == "答案\n" and cli.unescape(r"\x") == r"\x"

@@ -103,9 +103,21 @@ def test_too_few_devices_are_refused_with_the_xla_flags_hint_before_anything_is_
   written, the ValueError traceback printed twice, then an orbax traceback at interpreter shutdown)."""
   out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny", devices=1)
   _refused(out, tmp_path, "mux: job 0-grpo_task: disaggregated topology needs 2 devices: trainer 1 + rollout 1; "
-           "only 1 exist")
+           "only 1 exists")
   assert "hint: on a CPU" in out.stderr and "XLA_FLAGS=--xla_force_host_platform_device_count=2" in out.stderr
   assert len(out.stderr.strip().splitlines()) == 3, out.stderr  # the error, the hint, --traceback's line
+
+
+def test_a_runs_workdir_is_refused_as_a_groups(tmp_path):
+  """Before: mux.py wrote its job folder, mux_spans.jsonl, mux_summary.json and timeline beside a train.py run's
+  own files."""
+  group = tmp_path / "group"
+  group.mkdir()
+  (group / "identity.json").write_text("{}")
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny")
+  assert out.returncode == 2 and f"error: --workdir {group} holds a run of launchers/train.py, not a group" in (
+      out.stderr), out.stderr[-3000:]
+  assert [p.name for p in group.iterdir()] == ["identity.json"]
 
 
 def test_jobs_that_carve_different_pools_are_refused_before_anything_is_written(tmp_path):

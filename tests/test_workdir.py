@@ -174,7 +174,9 @@ def test_a_task_config_takes_a_file_source(tmp_path):
   with pytest.raises(ValueError, match="No held-out prompts: set eval_source"):
     workdir.check_data(cfg)
   workdir.check_data(from_config_dict(_config(**{"data.source": str(rows), "data.eval_source": str(rows)})))
-  with pytest.raises(ValueError, match="does not match source"):  # a task source still must match its task
+  with pytest.raises(ValueError, match=re.escape(  # a task source still must match its task, and says how
+      "does not match source 'arithmetic': another built-in task needs both (--config.data.source=arithmetic "
+      "--config.data.task.name=arithmetic)")):
     from_config_dict(_config(**{"data.source": "arithmetic"}))
   with pytest.raises(ValueError, match="'reversl' is neither a .jsonl/.parquet path nor a task in"):  # a typo
     from_config_dict(_config(**{"data.source": "reversl"}))  # before: "task.name 'reversal' does not match source"

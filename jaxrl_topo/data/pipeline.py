@@ -67,14 +67,17 @@ class PromptDataConfig:
     if self.overlong not in OVERLONG_MODES:
       raise ValueError(f"overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}.")
     if self.batch_size < 1 or self.max_prompt_len < 1:
-      raise ValueError(f"Need batch_size, max_prompt_len >= 1, got {self.batch_size=}, {self.max_prompt_len=}.")
+      raise ValueError(f"Need batch_size, max_prompt_len >= 1, got batch_size={self.batch_size}, "
+                       f"max_prompt_len={self.max_prompt_len}.")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}.")
     if self.source not in tasks.TASK_NAMES and not _is_file_source(self.source):
       raise ValueError(f"source {self.source!r} is neither a .jsonl/.parquet path nor a task in {tasks.TASK_NAMES}.")
     if self.task is not None and self.task.name != self.source:
       if not _is_file_source(self.source):
-        raise ValueError(f"task.name {self.task.name!r} does not match source {self.source!r}.")
+        raise ValueError(f"task.name {self.task.name!r} does not match source {self.source!r}: another built-in "
+                         f"task needs both (--config.data.source={self.source} --config.data.task.name={self.source}); "
+                         "the other data.task.* knobs keep the config's values")
       # A task config (configs/grpo_task.py) with --config.data.source=FILE: the file's rows are the prompts.
       logging.warning("data.source=%r names a data file: data.task (built-in task %r) is not used", self.source,
                       self.task.name)

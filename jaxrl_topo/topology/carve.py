@@ -186,7 +186,7 @@ def place(devices: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
   that tests/test_carve.py enumerates exhaustively, no other split straddles fewer hosts.
   """
   if sum(sizes) > len(devices):
-    raise ValueError(f"placement needs {sum(sizes)} devices ({list(sizes)}); only {len(devices)} exist")
+    raise ValueError(f"placement needs {sum(sizes)} devices ({list(sizes)}); only {_exist(len(devices))}")
   hosts: dict[int, list] = {}
   for device in sorted(devices, key=_key):
     hosts.setdefault(device.process_index, []).append(device)
@@ -222,7 +222,7 @@ def carve(cfg: TopologyConfig, devices: Sequence[jax.Device] | None = None, *, w
   parts = f"trainer and rollout {t} (shared)" if cfg.colocated else f"trainer {t} + rollout {r}"
   parts += f" + reward {w}" if w else ""
   if sum(sizes) > len(devices):
-    raise ValueError(f"{cfg.mode} topology needs {sum(sizes)} devices: {parts}; only {len(devices)} exist")
+    raise ValueError(f"{cfg.mode} topology needs {sum(sizes)} devices: {parts}; only {_exist(len(devices))}")
   if sum(sizes) < len(devices) and warn:
     logging.warning("%s topology uses %d of %d devices (%s); the rest stay idle", cfg.mode, sum(sizes),
                     len(devices), parts)
@@ -280,3 +280,7 @@ def log_sharding_table(abstract: AbstractParams, topology: Topology,
   table = sharding_table(abstract, topology, roles)
   logging.info("%s topology, parameter shardings:\n%s", topology.mode, table)
   return table
+
+
+def _exist(n: int) -> str:
+  return f"{n} exist{'s' if n == 1 else ''}"
