@@ -8,11 +8,12 @@ overrides any key (a typo is rejected with the valid keys). It becomes typed, fr
 (jaxrl_topo/runtime/config.py), validated before anything compiles. Re-running with the same
 workdir resumes from its newest checkpoint, if the run's identity (model, LoRA, data) is unchanged:
 otherwise nothing is touched and the differences are named (`--fresh` starts the workdir over).
-Under `jax.distributed` (JAXRL_COORDINATOR etc., see jaxrl_topo/runtime/distributed.py) every
-process runs this same command.
-
-Heavy imports live inside main(): reward worker processes are spawned and re-import this file.
+Under `jax.distributed` (--coordinator/--num_processes/--process_id, or JAXRL_COORDINATOR etc.: see
+jaxrl_topo/runtime/distributed.py) every process runs this same command. --helpfull lists every flag
+(--traceback, --library_logs, ...).
 """
+
+# Heavy imports live inside main(): reward worker processes are spawned and re-import this file.
 
 import os
 from collections.abc import Sequence
