@@ -8,9 +8,9 @@ Presets: `tiny` is `make demo`: the `tiny` char-level model (2 layers, d=64) rev
 strings over "abcdef" ("reverse abcd=" -> "dcba"); a supervised warm-up to 30% accuracy, then 300 GRPO
 steps of 16 prompts x 16 samples, on 2 CPU cores in about two minutes. Its learning rate decays (cosine) to 0
 over the 300 steps: at a constant 1e-3 the reward reached 0.98 by step 180 and then fell back to 0.55-0.87, ending
-at held-out accuracy 0.82 on one machine (0.996 on another); decayed, with the warm-up's gradients clipped
-(run.sft_max_grad_norm), 1.000 / 1.000 / 0.996 for seeds 0, 1 and 2 (2026-11-30; unclipped, seed 1's warm-up
-stalled and its RL ended at 0.555: benchmarks/RESULTS.md).
+at held-out accuracy 0.82 on one machine (0.996 on another); decayed, 1.0 for seeds 0, 1 and 2 (2026-11-28), and
+1.000 / 0.555 / 0.996 on later code (2026-11-30: seed 1's warm-up stalled); with --config.run.sft_max_grad_norm=1
+(the warm-up's gradients clipped) 1.000 / 1.000 / 0.996 (benchmarks/RESULTS.md).
 `small` is the same task on a bigger model and batch.
 """
 

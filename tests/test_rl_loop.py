@@ -399,7 +399,7 @@ def test_gsm8k_config_runs_on_a_tiny_random_qwen_directory(tmp_path):
       "data.batch_size": 2, "rl.group_size": 2, "rollout.max_new_tokens": 4, "rollout.n_slots": 8,
       "model.dtype": "float32", "run.steps": 2, "run.eval_every": 0, "run.eval_size": 2, "run.n_micro": 1,
       "run.checkpoint_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
-      "data.max_prompt_len": 64})
+      "data.max_prompt_len": 160})  # the config's instruction follows each question
   c.topology = dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"data": 2})
   summary = run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
   records = read_metrics(str(tmp_path / "run"))

@@ -226,9 +226,10 @@ class RunSpec:
   sft_eval_every: int = 5
   sft_dev_size: int = 256
   sft_lr: float = 3e-3
-  # the warm-up's gradients clipped to this global norm (0: none). Unclipped, seed 1 of the demo spiked three times
-  # and stalled for 990 steps (RL then went 0.254 -> 0.555); clipped at 1, it warmed up in 55 (0.340 -> 1.000)
-  sft_max_grad_norm: float = 1.0
+  # the warm-up's gradients clipped to this global norm (0: none, the default so far). Unclipped, seed 1 of the demo
+  # spiked three times and stalled for 990 steps (RL then went 0.254 -> 0.555); clipped at 1, it warmed up in 55
+  # (0.340 -> 1.000), and seeds 0 and 2 ended at 1.000 and 0.996 (benchmarks/RESULTS.md)
+  sft_max_grad_norm: float = 0.0
   sft_batch: int = 64
 
   def __post_init__(self):
