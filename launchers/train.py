@@ -107,6 +107,8 @@ def _interrupted() -> str:
   """What a Ctrl-C leaves: a checkpoint to resume from, or none yet (before: 'resume' was promised either way)."""
   from jaxrl_topo.runtime.workdir import latest_checkpoint_step
 
+  if not flags.FLAGS.is_parsed():  # interrupted while the flags were read: no run started, nothing to say of one
+    return ""
   if _WORKDIR.value and latest_checkpoint_step(_WORKDIR.value) is not None:
     return "run the same command again to resume from the newest checkpoint"
   return "no checkpoint was saved yet: the same command starts the run over (its warm-up included)"
