@@ -214,3 +214,36 @@ def test_advantage_registry_shares_one_signature():
   got = fns["reinforce_pp_baseline"](r, 4, mask)
   np.testing.assert_allclose(masked_mean(got, mask), 0.0, atol=1e-6)  # batch-whitened over the 6 tokens
   np.testing.assert_allclose(masked_mean(got**2, mask), 1.0, rtol=1e-5)
+
+
+def _step_advantages(rewards_B, mask_BT, **loss):
+  """The train step's advantages (train/step.py) for a LossConfig built from `loss`, zero values, one microbatch."""
+  from types import SimpleNamespace
+
+  from jaxrl_topo.train.config import LossConfig
+  from jaxrl_topo.train.step import _advantages
+
+  mask = jnp.asarray(mask_BT, jnp.float32)[None]
+  batch = SimpleNamespace(rewards_MB=jnp.asarray(rewards_B, jnp.float32)[None], mask_MBT=mask, sampler_logp_MBT=None)
+  adv_MBT, _ = jax.jit(_advantages, static_argnums=2)(batch, {"old_values": jnp.zeros_like(mask)}, LossConfig(**loss))
+  return np.asarray(adv_MBT[0])
+
+
+def test_the_steps_grpo_std_follows_the_configs_ddof():
+  """r = [0, 0, 1, 3]: mean 1, squared deviations 6; unbiased std √(6/3) = √2, population std √(6/4) = √1.5."""
+  r, mask = [0.0, 0.0, 1.0, 3.0], np.ones((4, 2))
+  centred = np.array([-1.0, -1.0, 0.0, 2.0])[:, None] * mask
+  for ddof, std in ((1, SQ2), (0, np.sqrt(1.5))):
+    got = _step_advantages(r, mask, group_size=4, grpo_std_ddof=ddof)
+    np.testing.assert_allclose(got, centred / (std + 1e-6), rtol=1e-6, err_msg=f"grpo_std_ddof={ddof}")
+
+
+def test_the_steps_gae_whitening_can_be_switched_off():
+  """Zero values, gamma 1, lam 0.95, reward at the last token: A_t = 0.95^(T-1-t) r, raw or whitened."""
+  mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+  raw = np.array([[0.95 * 2, 2, 0], [0.95**2, 0.95, 1]])
+  got = _step_advantages([2.0, 1.0], mask, group_size=2, advantage="gae", critic="shared", gae_whiten=False)
+  np.testing.assert_allclose(got, raw, rtol=1e-6)
+  on = raw[mask != 0]
+  whitened = _step_advantages([2.0, 1.0], mask, group_size=2, advantage="gae", critic="shared")
+  np.testing.assert_allclose(whitened[mask != 0], (on - on.mean()) / (on.std() + 1e-8), rtol=1e-5)

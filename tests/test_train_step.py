@@ -471,6 +471,9 @@ def test_check_batch_rejects_what_cannot_split():
     (dict(is_mask_low=2.0, is_mask_high=1.0), r"is_mask_low=2.0 must be < is_mask_high=1.0"),
     (dict(is_level="seq"), r"LossConfig.is_level='seq'; expected one of \('token', 'sequence', 'geometric'\)"),
     (dict(is_cap=None, is_level="geometric"), r"is_level='geometric' says what the importance weight"),
+    (dict(grpo_std_ddof=2), r"LossConfig.grpo_std_ddof=2; expected 0"),
+    (dict(advantage="rloo", grpo_std_ddof=0), r"advantage='rloo' divides by none"),
+    (dict(gae_whiten=False), r"advantage='grpo' is not GAE"),
 ])
 def test_loss_config_rejects_bad_settings_naming_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

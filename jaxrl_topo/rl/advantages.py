@@ -137,11 +137,11 @@ def gae(rewards_BT: jax.Array, values_BT: jax.Array, mask_BT: jax.Array, *, gamm
 
 def _per_token(adv_fn):
   """Lifts a per-sequence estimator to the shared (rewards_B, group_size, mask_BT) -> adv_BT form."""
-  return lambda rewards_B, group_size, mask_BT: broadcast_to_tokens(adv_fn(rewards_B, group_size), mask_BT)
+  return lambda rewards_B, group_size, mask_BT, **kw: broadcast_to_tokens(adv_fn(rewards_B, group_size, **kw), mask_BT)
 
 
 # Outcome-reward estimators, selected by config name. Uniform signature:
-#   fn(rewards_B, group_size, mask_BT) -> adv_BT   (0 at masked slots)
+#   fn(rewards_B, group_size, mask_BT, **estimator_options) -> adv_BT   (0 at masked slots)
 ADVANTAGE_FNS = {
     "grpo": _per_token(grpo),
     "dr_grpo": _per_token(dr_grpo),

@@ -85,6 +85,10 @@ class LossConfig:
   value_clip: float = 0.2
   gamma: float = 1.0
   lam: float = 0.95
+  # GRPO's group std: 1 = the unbiased estimate (torch.std's default, as TRL, verl and OpenRLHF compute it), 0 = the
+  # population std. Only advantage="grpo" divides by a std
+  grpo_std_ddof: int = 1
+  gae_whiten: bool = True  # GAE's advantages whitened over the global batch's tokens (False: raw GAE)
   temperature: float = 1.0  # the rollout temperature: logits are divided by it (sampling convention)
   logprob_chunk: int = 1024  # tokens per chunk of the output projection
   # PPO's updates per batch: `epochs` passes over it, each in `minibatches` optimizer updates (whole
@@ -133,6 +137,14 @@ class LossConfig:
     if self.is_cap is None and self.is_level != "token":
       raise ValueError(f"is_level={self.is_level!r} says what the importance weight of is_cap covers; with "
                        "is_cap=None there is none: set is_cap too")
+    if self.grpo_std_ddof not in (0, 1):
+      raise ValueError(f"LossConfig.grpo_std_ddof={self.grpo_std_ddof}; expected 0 (population std) or 1 (unbiased)")
+    if self.grpo_std_ddof != 1 and self.advantage != "grpo":
+      raise ValueError(f"grpo_std_ddof sets GRPO's group std; advantage={self.advantage!r} divides by none, so it "
+                       "would be ignored: leave it at 1")
+    if not self.gae_whiten and self.advantage != "gae":
+      raise ValueError(f"gae_whiten=False leaves GAE's advantages raw; advantage={self.advantage!r} is not GAE, so it "
+                       "would be ignored: leave it True")
     if None not in (self.is_mask_low, self.is_mask_high) and not self.is_mask_low < self.is_mask_high:
       raise ValueError(f"is_mask_low={self.is_mask_low} must be < is_mask_high={self.is_mask_high}")
     check_ranges("LossConfig", self, group_size=">=1", epochs=">=1", minibatches=">=1", kl_coef=">=0",

@@ -116,7 +116,8 @@ def _advantages(batch: TrainBatch, pre: dict, lc: LossConfig):
   flat = lambda x: x.reshape(M * B, T)
   returns = None
   if lc.advantage in adv_lib.ADVANTAGE_FNS:
-    adv_NT = adv_lib.ADVANTAGE_FNS[lc.advantage](rewards_N, lc.group_size, mask_NT)
+    options = {"std_ddof": lc.grpo_std_ddof} if lc.advantage == "grpo" else {}
+    adv_NT = adv_lib.ADVANTAGE_FNS[lc.advantage](rewards_N, lc.group_size, mask_NT, **options)
   else:
     token_r_NT = adv_lib.sequence_rewards_to_tokens(rewards_N, mask_NT)
     if lc.kl_in_reward:  # the KL of the sampled tokens (sampler log-probs stand in for the old policy)
@@ -126,7 +127,7 @@ def _advantages(batch: TrainBatch, pre: dict, lc: LossConfig):
       adv_NT = adv_lib.reinforce_pp(token_r_NT, mask_NT, gamma=lc.gamma)
     else:
       adv_NT, ret_NT = adv_lib.gae(token_r_NT, flat(pre["old_values"]), mask_NT, gamma=lc.gamma, lam=lc.lam)
-      adv_NT, returns = masked_whiten(adv_NT, mask_NT), ret_NT.reshape(M, B, T)
+      adv_NT, returns = masked_whiten(adv_NT, mask_NT) if lc.gae_whiten else adv_NT, ret_NT.reshape(M, B, T)
   return adv_NT.reshape(M, B, T), returns
 
 
