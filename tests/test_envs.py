@@ -78,6 +78,11 @@ def test_unknown_environment_fails_before_any_worker_starts():
     EnvPool("no_such_module:Env", n_workers=1)
 
 
+def test_a_worker_not_ready_by_the_start_timeout_names_its_config_key():
+  with pytest.raises(RuntimeError, match=r"did not start within 0.01 s.*raise env.start_timeout_s"):
+    EnvPool("envs_for_tests:Chatty", n_workers=1, start_timeout_s=0.01)  # no spawned process is ready in 10 ms
+
+
 # ---------------------------------------------------------------- the calculator
 
 

@@ -175,3 +175,20 @@ def test_the_old_rl_names_still_import():
 
   for name in ("rewards", "reward_pool", "reward_worker"):
     assert importlib.import_module(f"jaxrl_topo.rl.{name}") is importlib.import_module(f"jaxrl_topo.envs.{name}")
+
+
+def test_the_reward_configs_pool_keys_reach_the_pool():
+  """reward.chunk_size: a failing item costs its own chunk (1 item), not the whole batch (one worker's even share);
+  reward.start_timeout_s: a worker not ready by then stops the run, naming the key."""
+  from jaxrl_topo.runtime.sections import RewardSpec
+
+  for chunk_size, want in ((1, [1, -1, 1, 1]), (0, [-1] * 4)):
+    spec = RewardSpec(fn=M + "raises_on_bad", n_workers=1, chunk_size=chunk_size, error_score=-1.0)
+    with RewardPool(spec.fns, **spec.pool_options) as pool:
+      res = pool.score([""] * 4, ["a", "bad", "c", "d"])
+    np.testing.assert_array_equal(res.total_N, want, err_msg=f"chunk_size={chunk_size}")
+  spec = RewardSpec(fn=M + "one", n_workers=1, start_timeout_s=0.01)  # no spawned process is ready in 10 ms
+  with pytest.raises(RuntimeError, match=r"did not start within 0.01 s.*raise reward.start_timeout_s"):
+    RewardPool(spec.fns, **spec.pool_options)
+  with pytest.raises(ValueError, match="chunk_size"):
+    RewardSpec(chunk_size=-1)

@@ -50,6 +50,7 @@ class EnvPool(WorkerPool):
   """One environment (import path) run in `n_workers` killable processes. See the module docstring."""
 
   what = "an environment worker"
+  start_key = "env.start_timeout_s"
 
   def __init__(self, path: str, *, n_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 60.0):
     if n_workers < 0 or timeout_s <= 0:

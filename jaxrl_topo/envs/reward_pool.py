@@ -203,6 +203,7 @@ class RewardPool(WorkerPool):
   """Weighted reward functions run in `n_workers` killable processes. See the module docstring."""
 
   what = "a reward worker"
+  start_key = "reward.start_timeout_s"
 
   def __init__(self, fns: Sequence[tuple[str, float]], *, n_workers: int = 2, timeout_s: float = 10.0,
                error_score: float = 0.0, chunk_size: int | None = None, start_timeout_s: float = 60.0,

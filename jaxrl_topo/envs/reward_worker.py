@@ -83,6 +83,7 @@ class WorkerPool:
   busy worker's `call` and `deadline`)."""
 
   what = "a worker"
+  start_key = "start_timeout_s"  # the config key that sets the start timeout, for messages
   timeout_s: float
 
   def _start_workers(self, n: int, start_timeout_s: float) -> None:
@@ -131,7 +132,8 @@ class WorkerPool:
         self._finished(w.call, "timeout", f"ran past timeout_s={self.timeout_s}; worker killed and replaced")
         self._replace(w)
       elif not w.ready and now >= w.start_deadline:
-        raise RuntimeError(f"{self.what} did not start within {self._start_timeout_s} s")
+        raise RuntimeError(f"{self.what} did not start within {self._start_timeout_s} s: its imports may be slow, or "
+                           f"the machine loaded; raise {self.start_key}")
 
   def _collect(self, w: Worker) -> None:
     try:

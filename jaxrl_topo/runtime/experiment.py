@@ -222,9 +222,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   heldout = pipeline.load_prompts(cfg.data, tokenizer, "heldout").examples
   if cfg.run.eval_size:
     heldout = heldout[: cfg.run.eval_size]
-  rewards = RewardPool(cfg.reward.fns, n_workers=cfg.reward.n_workers, timeout_s=cfg.reward.timeout_s,
-                       error_score=cfg.reward.error_score, max_error_frac=cfg.reward.max_error_frac,
-                       max_error_calls=cfg.reward.max_error_steps)
+  rewards = RewardPool(cfg.reward.fns, **cfg.reward.pool_options)
 
   _, _, params = hf_io.load_model(model_dir, topology.trainer, TRAIN_RULES, dtype=cfg.model.dtype)
   tcfg = cfg.train_config
@@ -254,7 +252,8 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   if cfg.env.fn:
     breaker = CircuitBreaker(cfg.reward.max_error_frac, cfg.reward.max_error_steps, what="environment",
                              unit="episodes", calls="scored batches")
-    env = EnvTurns(EnvPool(cfg.env.fn, n_workers=cfg.env.n_workers, timeout_s=cfg.env.timeout_s), tokenizer,
+    env = EnvTurns(EnvPool(cfg.env.fn, n_workers=cfg.env.n_workers, timeout_s=cfg.env.timeout_s,
+                               start_timeout_s=cfg.env.start_timeout_s), tokenizer,
                    chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score,
                    max_prompt_len=cfg.data.max_prompt_len, breaker=breaker)
   dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))

@@ -165,6 +165,8 @@ class RewardSpec:
   n_workers: int = 2  # reward worker processes; 0 = in the controller (no timeout)
   timeout_s: float = 10.0  # per call; a hung function is killed and its items scored `error_score`
   error_score: float = 0.0
+  chunk_size: int = 0  # items per worker call (finer = better balanced, more calls); 0 = a batch split evenly
+  start_timeout_s: float = 60.0  # a worker must have imported the functions' modules by then (slow imports: raise it)
   # Circuit breaker (envs/reward_pool.py): a function failing on more than this fraction of the items of
   # `max_error_steps` consecutive scoring calls stops the run with an error (checkpoints kept); 0 steps = off.
   # A multi-turn run's environment (env.fn) is held to the same limits over each scored batch's episodes.
@@ -186,6 +188,7 @@ class RewardSpec:
                        f"weighted by reward.model_weight (here {self.model_weight}), not through extra")
     if self.model_batch_size < 1:
       raise ValueError(f"reward.model_batch_size={self.model_batch_size} must be >= 1")
+    check_ranges("reward", self, chunk_size=">=0", start_timeout_s=">0")
     if not 0 <= self.max_error_frac <= 1 or self.max_error_steps < 0:
       raise ValueError("reward: 0 <= max_error_frac <= 1, max_error_steps >= 0")
     check_ranges("reward", self, error_score="finite", model_weight="finite", overlong_penalty="finite")
@@ -194,6 +197,13 @@ class RewardSpec:
   def fns(self) -> tuple[tuple[str, float], ...]:
     """The reward functions the worker pool runs (the model is scored on devices instead)."""
     return tuple((name, w) for name, w in ((self.fn, 1.0), *self.extra.items()) if name != MODEL_REWARD)
+
+  @property
+  def pool_options(self) -> dict:
+    """RewardPool's keyword arguments (envs/reward_pool.py)."""
+    return dict(n_workers=self.n_workers, timeout_s=self.timeout_s, error_score=self.error_score,
+                chunk_size=self.chunk_size or None, start_timeout_s=self.start_timeout_s,
+                max_error_frac=self.max_error_frac, max_error_calls=self.max_error_steps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,8 +291,9 @@ class EnvSpec:
   n_workers: int = 2  # environment worker processes; 0 = in the controller (no timeout)
   timeout_s: float = 10.0  # per call; a hung environment is killed and its episode scored `error_score`
   error_score: float = 0.0
+  start_timeout_s: float = 60.0  # a worker must have imported the environment's module by then
 
   def __post_init__(self):
     if self.max_turns < 1 or self.n_workers < 0 or not self.timeout_s > 0:
       raise ValueError("env: max_turns >= 1, n_workers >= 0, timeout_s > 0")
-    check_ranges("env", self, error_score="finite")
+    check_ranges("env", self, error_score="finite", start_timeout_s=">0")
