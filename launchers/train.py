@@ -99,8 +99,10 @@ def main(argv: Sequence[str]) -> None:
     if gone:
       print(f"--fresh: removed {', '.join(gone)} from {workdir}")
   summary = run.train(cfg, workdir, progress=_PROGRESS.value)  # saves config.json (run.fresh=False: a relaunch resumes)
-  print(f"held-out accuracy: before RL {summary['accuracy_before']:.3f}, after RL {summary['accuracy_after']:.3f} "
-        f"({summary['steps']} steps, {summary['mode']}, {summary['wall_s']:.0f} s)")
+  k, figure = cfg.run.eval_samples, lambda x: "n/a" if x is None else f"{x:.3f}"  # None: not measured before RL
+  best = f"; pass@{k} {figure(summary[f'pass@{k}_before'])} -> {figure(summary[f'pass@{k}_after'])}" if k > 1 else ""
+  print(f"held-out accuracy: before RL {summary['accuracy_before']:.3f}, after RL {summary['accuracy_after']:.3f}"
+        f"{best} ({summary['steps']} steps, {summary['mode']}, {summary['wall_s']:.0f} s)")
 
 
 def _interrupted() -> str:

@@ -218,3 +218,14 @@ def test_errors(tmp_path):
   w.close(plot=False)
   with pytest.raises(RuntimeError, match="close"):
     w.log(1, {"x": 1})
+
+
+def test_eval_scores_by_hand():
+  """3 prompts x 3 samples, scores [[1, 0, 0], [0, 0, 0], [1, 1, 0.5]]: accuracy 3.5/9; pass@3 = mean of the
+  best (1, 0, 1) = 2/3. One sample a prompt: accuracy only."""
+  from jaxrl_topo.runtime.rollout_side import eval_scores
+
+  got = eval_scores(np.array([[1, 0, 0], [0, 0, 0], [1, 1, 0.5]]))
+  assert got.keys() == {"eval/accuracy", "eval/pass@3"}
+  np.testing.assert_allclose([got["eval/accuracy"], got["eval/pass@3"]], [3.5 / 9, 2 / 3])
+  assert eval_scores(np.array([[1.0], [0.0]])) == {"eval/accuracy": 0.5}

@@ -338,6 +338,9 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
     # before: accepted, then dropped (the run rebuilds its model from config.json)
     ("model.overrides", {"attention": "reference"}, "model.overrides.attention: not part of the model's config.json"),
     ("run.sft_lr", float("inf"), "run.sft_lr=inf must be finite"),
+    ("run.eval_samples", 0, "run.eval_samples=0 must be >= 1"),
+    ("run.eval_samples", 4, "set rollout.eval_greedy=False to sample them"),  # the config evaluates greedily
+    ("run.eval_samples", 512, "run.eval_samples=512 > rollout.n_slots"),
 ])
 def test_values_out_of_range_are_refused_naming_the_key(key, value, says):
   """Values a run cannot mean, found by a new user's trial: each was accepted, or failed late with a traceback."""
@@ -397,14 +400,18 @@ def test_gsm8k_config_runs_on_a_tiny_random_qwen_directory(tmp_path):
   c = load_config("grpo_gsm8k", str(model_dir), **{
       "data.source": str(tmp_path / "train.jsonl"), "data.eval_source": str(tmp_path / "test.jsonl"),
       "data.batch_size": 2, "rl.group_size": 2, "rollout.max_new_tokens": 4, "rollout.n_slots": 8,
-      "model.dtype": "float32", "run.steps": 2, "run.eval_every": 0, "run.eval_size": 2, "run.n_micro": 1,
+      "model.dtype": "float32", "run.steps": 2, "run.eval_every": 1, "run.eval_size": 2, "run.n_micro": 1,
       "run.checkpoint_every": 0, "run.tensorboard": False, "run.plot": False, "reward.n_workers": 0,
-      "data.max_prompt_len": 160})  # the config's instruction follows each question
+      "data.max_prompt_len": 160,  # the config's instruction follows each question
+      "run.eval_samples": 2, "rollout.eval_greedy": False})  # pass@2 (its numbers: test_metrics.py)
   c.topology = dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"data": 2})
   summary = run_lib.train(from_config_dict(c), str(tmp_path / "run"), progress=False)
   records = read_metrics(str(tmp_path / "run"))
   assert summary["steps"] == 2 and len(records) == 2
   assert all(0.0 <= r["reward/correct"] <= 1.0 for r in records)
+  assert records[0]["eval/accuracy"] <= records[0]["eval/pass@2"] <= 1.0
+  for when in ("before", "after"):
+    assert 0.0 <= summary[f"accuracy_{when}"] <= summary[f"pass@2_{when}"] <= 1.0, summary
 
 
 def _spans_overlap(a, b):

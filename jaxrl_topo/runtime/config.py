@@ -70,9 +70,13 @@ class RunConfig:
       if getattr(self.rollout, name) % data:
         raise ValueError(f"rollout.{name}={getattr(self.rollout, name)} must be a multiple of the rollout mesh's "
                          f"data axis ({data}): each data shard owns an equal share")
-    if self.rl.group_size > self.rollout.n_slots // data:
-      raise ValueError(f"rl.group_size={self.rl.group_size} > rollout.n_slots={self.rollout.n_slots} / the rollout "
-                       f"mesh's data axis ({data}): a group is generated at once, on one data shard's slots")
+    for name, n in (("rl.group_size", self.rl.group_size), ("run.eval_samples", self.run.eval_samples)):
+      if n > self.rollout.n_slots // data:
+        raise ValueError(f"{name}={n} > rollout.n_slots={self.rollout.n_slots} / the rollout mesh's data axis "
+                         f"({data}): a prompt's samples are generated at once, on one data shard's slots")
+    if self.run.eval_samples > 1 and self.rollout.eval_greedy:
+      raise ValueError(f"run.eval_samples={self.run.eval_samples} greedy samples of a prompt are one sample "
+                       f"{self.run.eval_samples} times: set rollout.eval_greedy=False to sample them")
     budget, row = self.train.max_tokens_per_row, self.data.max_prompt_len + self.rollout.max_new_tokens
     if budget and budget < row:
       raise ValueError(f"train.max_tokens_per_row={budget} < data.max_prompt_len + rollout.max_new_tokens = {row}: "

@@ -48,6 +48,11 @@ REWARD_MEAN = "reward_mean"
 REWARD_STD = "reward_std"
 EVAL_ACCURACY = "eval/accuracy"
 
+
+def eval_pass_at(k: int) -> str:
+  """The metric of each held-out prompt's best score over its k samples, averaged (run.eval_samples = k > 1)."""
+  return f"eval/pass@{k}"
+
 TIMING_PREFIXES = ("time/", "perf/")
 TIMING_KEYS = ("wall_s", "tokens_per_s")
 

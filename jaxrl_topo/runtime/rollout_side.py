@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_topo.rollout.engine import Request, RolloutEngine, Sample
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.experiment import Experiment
+from jaxrl_topo.runtime.metrics import EVAL_ACCURACY, eval_pass_at
 from jaxrl_topo.runtime.sections import MODEL_REWARD
 from jaxrl_topo.topology import hostcomm
 
@@ -315,18 +316,29 @@ def evaluate(exp: Experiment, tag: int = 0) -> float:
 
 
 def evaluate_metrics(exp: Experiment, tag: int = 0) -> dict:
-  """{"eval/accuracy": held-out accuracy} (one greedy sample per prompt); with an environment, the
-  episodes' returns are the accuracy and its info means come along (eval/env/...)."""
+  """{"eval/accuracy": held-out accuracy}: the main reward's mean over `run.eval_samples` samples a prompt (greedy:
+  one); with more than one, eval/pass@k too (eval_scores). With an environment the episodes' returns are the
+  scores and their info means come along (eval/env/...)."""
   if not exp.heldout:
-    return {"eval/accuracy": float("nan")}
-  meta, etag = exp.heldout, ("eval", tag)
-  meta, _ = _start_episodes(exp, meta, etag, 1)
-  reqs = [dataclasses.replace(q, n=1) for q in _requests(exp, meta)]
+    return {EVAL_ACCURACY: float("nan")}
+  k, etag = exp.cfg.run.eval_samples, ("eval", tag)
+  meta, _ = _start_episodes(exp, exp.heldout, etag, k)
+  reqs = [dataclasses.replace(q, n=k) for q in _requests(exp, meta)]
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)
   samples = exp.engine.run(reqs, key=key, sampling=SamplingConfig(greedy=True) if exp.cfg.rollout.eval_greedy else None,
                            turns=exp.env, tag=etag)
   if exp.env is not None:
     returns, info = exp.env.take(etag, samples)
-    return agreed({"eval/accuracy": float(np.mean(returns)), **{f"eval/{k}": v for k, v in info.items()}})
-  main = finish_scores(exp, meta, samples, [submit_scores(exp, meta, samples)], main_only=True)[1]
-  return agreed({"eval/accuracy": float(np.mean(main))})
+    return agreed({**eval_scores(np.asarray(returns).reshape(-1, k)), **{f"eval/{n}": v for n, v in info.items()}})
+  per_sample = [m for m in meta for _ in range(k)]  # samples are prompt-major, k each
+  main = finish_scores(exp, per_sample, samples, [submit_scores(exp, per_sample, samples)], main_only=True)[1]
+  return agreed(eval_scores(np.asarray(main).reshape(-1, k)))
+
+
+def eval_scores(scores_PK: np.ndarray) -> dict:
+  """eval/accuracy: the mean of every sample's score; with k > 1 samples a prompt also eval/pass@k: the mean over
+  prompts of each one's best score (pass@k, the fraction with a solved sample, where scores are 0 or 1)."""
+  out = {EVAL_ACCURACY: float(np.mean(scores_PK))}
+  if scores_PK.shape[1] > 1:
+    out[eval_pass_at(scores_PK.shape[1])] = float(np.mean(np.max(scores_PK, axis=1)))
+  return out

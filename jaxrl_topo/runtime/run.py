@@ -6,7 +6,8 @@
   init_model/        the random-init HF directory (preset runs only)
   checkpoints/       orbax: train state + meta (gen_id, data-iterator state, step, seed, mode)
   metrics.jsonl, histograms.jsonl, tb/, reward_curve.png   (runtime/metrics.py)
-  summary.json       accuracy_before, accuracy_after, steps, wall_s, mode, prompts (overlong counts), ...
+  summary.json       accuracy_before, accuracy_after (pass@k_before|after too with run.eval_samples = k > 1), steps,
+                     wall_s, mode, prompts (overlong counts), ...
   run.lock           held by the running process (workdir.held): a second run on the workdir is refused
 
 Resume: the newest complete checkpoint restores the train state, the weights version (gen_id =
@@ -39,7 +40,7 @@ from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
-from jaxrl_topo.runtime.metrics import METRICS_FILE, MetricsWriter, jsonable, read_jsonl
+from jaxrl_topo.runtime.metrics import EVAL_ACCURACY, METRICS_FILE, MetricsWriter, eval_pass_at, jsonable, read_jsonl
 from jaxrl_topo.runtime.rollout_side import evaluate_metrics
 from jaxrl_topo.runtime.workdir import CONFIG_FILE
 from jaxrl_topo.topology import hostcomm
@@ -120,7 +121,7 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
           raise ValueError(f"{e}\n{_resume_hint(cfg, workdir)}") from e
       exp.sync.rebase(exp.state)  # LoRA: the checkpoint's (warmed-up) base, not the one built without a warm-up
       meta = hostcomm.broadcast(meta, src=min(holders))
-      start, before = meta["step"], meta.get("accuracy_before")
+      start, before = meta["step"], _before_rl(meta)
       try:
         exp.prompts.set_state(meta["data_state"])  # after the last saved batch
       except ValueError as e:  # e.g. another data.batch_size: the saved position means other prompts here
@@ -138,8 +139,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
                         start, "; ".join(changed))
       _record(cfg, workdir)
     if before is None:
-      before = loop_lib.evaluate(exp, tag=0)
-    logging.info("held-out accuracy before RL: %.3f", before)
+      before = evaluate_metrics(exp, tag=0)
+    logging.info("held-out accuracy before RL: %.3f", before[EVAL_ACCURACY])
     # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
     # from the checkpoint, with its evaluation run on the restored weights (the ones it evaluated).
     lost = hostcomm.broadcast(_main() and landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start))
@@ -157,12 +158,13 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       _log_step(cfg, writer, start - 1, m)
     hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced})
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced)
-    after = loop_lib.evaluate(exp, tag=cfg.run.steps)
+    after = evaluate_metrics(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
       _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before, [])
     if writer is not None:
-      writer.close(plot=cfg.run.plot, accuracy=(before, after))
-    summary = {"accuracy_before": before, "accuracy_after": after, "steps": cfg.run.steps, "resumed_from": start,
+      writer.close(plot=cfg.run.plot, accuracy=(before[EVAL_ACCURACY], after[EVAL_ACCURACY]))
+    summary = {"accuracy_before": before[EVAL_ACCURACY], "accuracy_after": after[EVAL_ACCURACY],
+               **_pass_at_k(cfg, before, after), "steps": cfg.run.steps, "resumed_from": start,
                "wall_s": time.perf_counter() - t0, "mode": cfg.topology.mode,
                "final_reward_mean": last.get("reward_mean"), "model_dir": exp.model_dir,
                # wall clock from the end of the first step (compilation) to the last; eval excluded
@@ -184,6 +186,19 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
     exp.close()
 
 
+def _before_rl(meta: dict) -> dict | None:
+  """The held-out evaluation before RL a checkpoint holds (older ones: the accuracy only); None: none yet."""
+  if meta.get("eval_before") is not None:
+    return meta["eval_before"]
+  return None if meta.get("accuracy_before") is None else {EVAL_ACCURACY: meta["accuracy_before"]}
+
+
+def _pass_at_k(cfg: RunConfig, before: dict, after: dict) -> dict:
+  """summary.json's pass@k before and after RL (run.eval_samples = k > 1); {} for one sample a prompt."""
+  k = cfg.run.eval_samples
+  return {} if k == 1 else {f"pass@{k}_before": before.get(eval_pass_at(k)), f"pass@{k}_after": after[eval_pass_at(k)]}
+
+
 def _main() -> bool:
   return jax.process_index() == 0
 
@@ -195,7 +210,8 @@ def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state,
   if ckpt is None:  # this process holds no part of the train state
     return
   meta = {"step": step, "gen_id": step, "data_state": produced[-1].data_state if produced else data_state,
-          "seed": cfg.run.seed, "mode": cfg.topology.mode, "accuracy_before": before,
+          "seed": cfg.run.seed, "mode": cfg.topology.mode, "accuracy_before": before[EVAL_ACCURACY],
+          "eval_before": before,
           "in_flight": [inflight.to_json(t) for t in produced], "landed": landed}
   ckpt.save(step, exp.state, meta)
 
@@ -233,7 +249,7 @@ def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) 
       writer.log_histogram(step, "staleness", [int(x) for x in lags])
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: float, workdir: str,
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict, workdir: str,
            start: int = 0, restored: set[int] = frozenset()):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
   steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone)."""

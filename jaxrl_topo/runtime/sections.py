@@ -218,6 +218,9 @@ class RunSpec:
   n_micro: int = 1  # microbatches per train step
   eval_every: int = 0  # held-out accuracy every N steps (0: only before and after)
   eval_size: int = 0  # held-out prompts per evaluation (0: all)
+  # samples per held-out prompt (k): > 1 logs eval/pass@k too, each prompt's best score averaged (pass@k where the
+  # main reward is 0 or 1), with eval/accuracy the mean over every sample; needs rollout.eval_greedy=False
+  eval_samples: int = 1
   max_staleness: int = 1  # eta, in weight versions: disaggregated uses 1 (0 = no overlap); async >= 1
   # True: every landing decision is a function of step and chunk counters (async: a step's weights land
   # after `land_after_chunks` decode chunks, waiting for the step if it is still running): bit-reproducible
@@ -244,7 +247,8 @@ class RunSpec:
 
   def __post_init__(self):
     check_ranges("run", self, steps=">=0", n_micro=">=1", max_staleness=">=0", land_after_chunks=">=1",
-                 eval_every=">=0", eval_size=">=0", checkpoint_every=">=0", keep_checkpoints=">=1", log_every=">=1",
+                 eval_every=">=0", eval_size=">=0", eval_samples=">=1", checkpoint_every=">=0", keep_checkpoints=">=1",
+                 log_every=">=1",
                  sft_steps=">=0", sft_target_accuracy="0..1", sft_eval_every=">=1", sft_dev_size=">=1", sft_lr=">0",
                  sft_batch=">=1", sft_max_grad_norm=">=0")
     if self.profile_step < -1:
