@@ -18,6 +18,7 @@ checkpoints every `run.checkpoint_every` steps and at its end; running the launc
 workdir resumes every job from its newest checkpoint (a finished job has nothing left to do).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -68,10 +69,7 @@ def main(argv: Sequence[str]) -> None:
     return
   if not _JOB.value or not _WORKDIR.value:
     raise app.UsageError("give --job (one per job) and --workdir, or --plan=TRACE.jsonl")
-  from jaxrl_topo.mux import report
-  from jaxrl_topo.runtime import run
-  from jaxrl_topo.runtime.metrics import MetricsWriter
-  from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, write_identity
+  from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, held
 
   workdir = _WORKDIR.value
   if has_run(workdir) or os.path.isfile(os.path.join(workdir, IDENTITY_FILE)) or os.path.isfile(
@@ -80,6 +78,18 @@ def main(argv: Sequence[str]) -> None:
                         "directory (each job gets a folder inside it)")
   group = checked_group(workdir)
   specs = [job.spec for job in group.jobs.values()]
+  with contextlib.ExitStack() as locks:  # one process at a time: on the group, and on each job's folder (train.py too)
+    for d in (workdir, *(s.workdir for s in specs)):
+      locks.enter_context(held(d))
+    _run_group(group, workdir, specs)
+
+
+def _run_group(group, workdir: str, specs) -> None:
+  from jaxrl_topo.mux import report
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.metrics import MetricsWriter
+  from jaxrl_topo.runtime.workdir import write_identity
+
   if others := other_job_folders(workdir, [s.job_id for s in specs]):
     print(f"note: {workdir} also holds job folders this group does not run: {', '.join(others)} (a job's folder "
           "is its position and config name: <i>-<config>; give the jobs in their earlier order to resume them)",
@@ -94,7 +104,7 @@ def main(argv: Sequence[str]) -> None:
     cfg, start = group.jobs[jid].spec.cfg, group.jobs[jid].start
     writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False,
                                  start_step=start, resume=start > 0)
-    hooks, _ = run._hooks(cfg, exp, None, writers[jid], float("nan"), exp_dir(jid), start)  # the group checkpoints
+    hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), start)  # the group checkpoints
     return hooks
 
   def exp_dir(jid):

@@ -120,6 +120,19 @@ def test_a_runs_workdir_is_refused_as_a_groups(tmp_path):
   assert [p.name for p in group.iterdir()] == ["identity.json"]
 
 
+@pytest.mark.parametrize("holder", ["group", "group/0-grpo_task"])
+def test_a_group_or_job_folder_in_use_is_refused(holder, tmp_path):
+  """Another process holds run.lock in the group's folder (a second mux.py) or in a job's (a train.py run on it):
+  refused, naming the holder, before anything is built. Before, both wrote the same checkpoints and metrics."""
+  from jaxrl_topo.runtime.workdir import held
+
+  with held(str(tmp_path / holder)):
+    out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny")
+  assert out.returncode == 2 and f"is in use by another run (process {os.getpid()} holds run.lock)" in out.stderr, (
+      out.stderr[-3000:])
+  assert "Traceback" not in out.stderr and not list((tmp_path / "group").rglob("*.json")), list(tmp_path.rglob("*"))
+
+
 def test_jobs_that_carve_different_pools_are_refused_before_anything_is_written(tmp_path):
   out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny",
                 f"--job={CONFIGS}/grpo_task.py:tiny,topology.mode=disaggregated,topology.rollout.data=2", devices=4)

@@ -108,7 +108,7 @@ def test_bad_data_is_refused_with_nothing_written(tmp_path, monkeypatch, overrid
 
 
 def test_a_group_larger_than_the_slots_is_a_config_error():
-  with pytest.raises(ValueError, match=r"rl.group_size=16 > rollout.n_slots=8 / .*\(1\): a group is generated at"):
+  with pytest.raises(ValueError, match=r"rl.group_size=16 > rollout.n_slots=8 / .*\(1\): a prompt.s samples are "):
     from_config_dict(_config(**{"rollout.n_slots": 8}))
   # 16 slots over 8 data shards hold 2 each: a group of 4 once passed here and failed after the warm-up, at the
   # first rollout ("request 0 does not fit the empty pool")
