@@ -70,6 +70,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from lengths import sample_lengths  # this script's folder is on sys.path
 
 from jaxrl_topo.models.config import ModelConfig, num_params
 from jaxrl_topo.models.model import cast_params, init_params
@@ -85,12 +86,6 @@ FIT_DRAWS = 100_000
 # The fixed-length workload's model (issue 12): Llama-3 shape, 4 layers, random init.
 FIXED_MODEL = ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                           head_dim=64, d_ff=512, rope_theta=500_000.0, tie_embeddings=False, dtype="float32")
-
-
-def sample_lengths(n: int, median: int, sigma: float, seed: int) -> np.ndarray:
-  """n lognormal completion lengths with the given median, rounded and clipped to [1, 8 x median]."""
-  x = np.random.default_rng(seed).lognormal(math.log(median), sigma, n)
-  return np.clip(np.rint(x), 1, 8 * median).astype(np.int64)
 
 
 def kv_bytes_per_token(cfg) -> int:

@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import numpy as np
+from lengths import sample_lengths  # this script's folder is on sys.path
 
 from jaxrl_topo.train.batch import balance_groups, plan_rows
-
-
-def long_tail(n: int, median: int, sigma: float, rng) -> np.ndarray:
-  x = rng.lognormal(math.log(median), sigma, n)
-  return np.clip(np.rint(x), 1, 8 * median).astype(np.int64)
 
 
 def main():
@@ -51,7 +46,7 @@ def main():
   if short:  # a row must hold the longest sequence (packing never splits one)
     parser.error(f"--budgets {','.join(short)}: below the longest sequence "
                  f"(--prompt_len + 8 x --median_len = {max_len})")
-  batches = [args.prompt_len + long_tail(args.seqs, args.median_len, args.sigma, rng) for _ in range(args.steps)]
+  batches = [args.prompt_len + sample_lengths(args.seqs, args.median_len, args.sigma, rng) for _ in range(args.steps)]
   layouts = [("padded", max_len)] + [("packed", b) for b in budgets]
   for layout, budget in layouts:
     fracs, shapes = [], set()

@@ -19,6 +19,7 @@ import ast
 import logging as std_logging
 import os
 import re
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -312,3 +313,10 @@ def define_engine_flags() -> Callable[[], dict]:
       flags.DEFINE_integer("pallas_splits", None, "--read=pallas (or auto on a GPU): programs each row's page walk "
                            "is divided over (flash-decoding; default: the kernel's, 1).", **where)]
   return lambda: {f.name: f.value for f in defined if f.value is not None}
+
+
+def free_port() -> int:
+  """A TCP port on localhost that nothing holds now (local_multiprocess's coordinator, a test's server)."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]

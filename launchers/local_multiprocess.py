@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,12 +27,6 @@ from jaxrl_topo import cli
 _N = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Fake CPU devices per process (CPU only).")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 600, "Kill everything after this many seconds.")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def child_env(process_id: int, num_processes: int, port: int, devices: int, base=os.environ) -> dict:
@@ -70,7 +63,7 @@ def run(command: Sequence[str], num_processes: int, devices_per_process: int, ti
   """Starts the processes and streams their output; as soon as one exits non-zero the others are
   stopped (SIGTERM, then SIGKILL after `grace_s`), and the first failure's last lines are repeated.
   Returns the first non-zero exit code, 124 on timeout, else 0."""
-  port = free_port()
+  port = cli.free_port()
   procs = [subprocess.Popen(list(command), env=child_env(i, num_processes, port, devices_per_process),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace")  # a byte that is not UTF-8 must not stop the pump (the child would block)

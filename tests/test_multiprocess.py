@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxrl_topo import cli
 from launchers import local_multiprocess
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -132,7 +133,7 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   # tried, and failed) nor writes; the weights equal a one-process export's. Set up by the launcher's own flags
   # (--coordinator, --num_processes, --process_id; before, only environment variables could), not by
   # local_multiprocess's environment.
-  port = local_multiprocess.free_port()
+  port = cli.free_port()
   export = [sys.executable, os.path.join(ROOT, "launchers", "export.py"), f"--workdir={tmp_path / 'mp'}",
             f"--out={tmp_path / 'hf2'}", f"--coordinator=localhost:{port}", "--num_processes=2"]
   envs = [{k: v for k, v in local_multiprocess.child_env(i, 2, port, 4).items() if not k.startswith("JAXRL_")}

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
+from jaxrl_topo import cli
 from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.presets import get_preset
@@ -46,7 +47,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(model_dir):
   js_engine, tokenizer = server.build_engine(model_dir, SC)
-  port = server.free_port()
+  port = cli.free_port()
   srv = server.start(js_engine, port)
   channel = grpc.insecure_channel(f"localhost:{port}")
   grpc.channel_ready_future(channel).result(timeout=30)
@@ -127,7 +128,7 @@ def test_hot_weight_swap_under_load(model_dir, policy, tmp_path):
   other = str(tmp_path / "other")
   write_fresh_model(other, TINY, seed=1)  # a clearly different policy, same shapes
   new = hf_io.load_model(other, dtype=SC.dtype)[2]
-  port = server.free_port()
+  port = cli.free_port()
   srv = server.start(js_engine, port)
   try:
     stub = client.connect(port)
@@ -179,7 +180,7 @@ def test_the_decode_read_is_a_serve_config_key(model_dir, served):
   one_device, _, _ = served
   js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, read="bucketed"))
   assert js_engine.engine.impl == "bucketed" and one_device.engine.impl == "window"
-  port = server.free_port()
+  port = cli.free_port()
   srv = server.start(js_engine, port)
   try:
     stub = client.connect(port)
@@ -212,7 +213,7 @@ def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):
   launcher = [sys.executable, os.path.join(ROOT, "launchers", "serve.py")]
   r = subprocess.run([*launcher, f"--model={tmp_path / 'nope'}"], capture_output=True, text=True, timeout=120)
   assert r.returncode != 0 and "no config.json" in r.stderr + r.stdout
-  port = server.free_port()
+  port = cli.free_port()
   log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - a file, not a pipe nobody reads while it serves
   proc = subprocess.Popen([*launcher, f"--model={model_dir}", f"--port={port}", "--slots=4", "--max_len=64",
                            "--read=bucketed"], stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -261,7 +262,7 @@ def test_workdir_serves_the_runs_newest_checkpoint(tmp_path):
   trained = hf_io.load_model(model_dir, dtype="float32")[2]
   init = hf_io.load_model(os.path.join(work, "init_model"), dtype="float32")[2]
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(init), strict=True))
-  port = server.free_port()
+  port = cli.free_port()
   srv = server.start(js_engine, port)
   stop = threading.Event()
   try:
@@ -294,7 +295,7 @@ def test_a_sharded_rollout_mesh_serves_the_same_tokens(model_dir, served):
   one_device, _, _ = served
   js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, data=2, tensor=2))
   assert js_engine.mesh.shape == {"data": 2, "tensor": 2}
-  port = server.free_port()
+  port = cli.free_port()
   srv = server.start(js_engine, port)
   try:
     stub = client.connect(port)

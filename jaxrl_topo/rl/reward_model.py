@@ -38,18 +38,14 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.fresh import CHAR_EOS
 from jaxrl_topo.models.model import init_params
 from jaxrl_topo.models.tokenizer import CHATML_TEMPLATE, build_char_tokenizer, save_tokenizer_dir
+from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.topology.hostcomm import to_host
 from jaxrl_topo.topology.rules import Rules, logical_to_spec
 
 SCORE_NAME = "score.weight"  # HF's name for the [num_labels, D] head
-_MIN_BUCKET = 16
+_MIN_BUCKET = 16  # rows are padded to the next power of two of the longest, at least this (few programs)
 _ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                   "qwen3": "Qwen3ForSequenceClassification"}
-
-
-def _bucket(n: int) -> int:
-  """Padded length for a longest sequence of `n` tokens: the next power of two, at least 16."""
-  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
 def _batch_spec(mesh: Mesh, rules: Rules, batch_size: int) -> PartitionSpec:
@@ -91,7 +87,7 @@ def _pad_chunks(sequences: list[list[int]], batch_size: int) -> tuple[np.ndarray
   if min(lengths) == 0:
     raise ValueError(f"cannot score an empty sequence (sequence {lengths.index(0)} has no tokens)")
   C = -(-len(sequences) // batch_size)
-  tokens = np.zeros((C * batch_size, _bucket(max(lengths))), np.int32)
+  tokens = np.zeros((C * batch_size, bucket_length(max(lengths), _MIN_BUCKET)), np.int32)
   last = np.zeros(C * batch_size, np.int32)  # dummy rows read position 0 and are dropped
   for i, seq in enumerate(sequences):
     tokens[i, :len(seq)] = seq

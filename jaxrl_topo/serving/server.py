@@ -69,12 +69,6 @@ def check_port(port: int) -> None:
       raise OSError(f"--port={port} is busy ({e.strerror}): pick another port or stop what holds it") from e
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 # EngineConfig's fields that build_engine sets from a ServeConfig's own fields and the model directory
 _SERVE_SETS = ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "eos_ids", "pad_id", "sampling", "impl")
 
