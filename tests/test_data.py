@@ -261,7 +261,7 @@ def test_the_instruction_follows_every_prompt_inside_the_chat_turn(tok):
   assert example["prompt_ids"] == tok.apply_chat_template_ids([{"role": "user", "content": "4+0=\n\nBox it."}])
   plain = pl.load_prompts(dataclasses.replace(cfg, chat_template=False), tok).examples[0]
   assert plain["prompt_ids"] == tok.encode("4+0=\n\nBox it.")
-  from test_rl_loop import load_config
+  from run_fixtures import load_config
 
   from jaxrl_topo.runtime.config import from_config_dict
   gsm8k = from_config_dict(load_config("grpo_gsm8k", "/models/none"))

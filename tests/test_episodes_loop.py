@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_rl_loop import ETA, TOPO, load_config
+from run_fixtures import ETA, TOPO, load_config
 
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import from_config_dict

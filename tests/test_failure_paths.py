@@ -90,11 +90,11 @@ def test_a_running_loop_logs_reward_errors_then_the_breaker_stops_it_keeping_its
   """The loop end to end (run.train, colocated, no warm-up): a reward raising on every item. Scoring calls: the
   evaluation before RL, step 0's rollout, step 1's: the third in a row over max_error_frac stops the run. Step 0
   trained on error scores and says so in metrics.jsonl (all 16 items failed); its checkpoint is kept."""
-  from test_rl_loop import _cfg
+  from run_fixtures import tiny_cfg
 
   from jaxrl_topo.runtime import run as run_lib
 
-  cfg = _cfg("colocated", steps=4, **{"reward.fn": M + "raises", "reward.max_error_steps": 3, "run.sft_steps": 0,
+  cfg = tiny_cfg("colocated", steps=4, **{"reward.fn": M + "raises", "reward.max_error_steps": 3, "run.sft_steps": 0,
                                       "run.checkpoint_every": 1, "run.tensorboard": False})
   with pytest.raises(RewardsFailing, match=r"failed on 16 of 16 items in each of the last 3 scoring calls .* "
                                            r"Stopped; the checkpoints saved so far are kept"):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from run_fixtures import TOPO, load_config
 
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import from_config_dict
 from jaxrl_topo.runtime.sections import SyncSpec
-from tests.test_rl_loop import TOPO, load_config
 
 KIB = 2**10
 

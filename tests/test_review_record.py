@@ -7,7 +7,7 @@ import json
 import types
 
 import pytest
-from test_rl_loop import _cfg
+from run_fixtures import tiny_cfg
 
 from jaxrl_topo.review import simulator
 from jaxrl_topo.review import step_bytes as step_lib
@@ -15,7 +15,7 @@ from jaxrl_topo.review.record import Assumptions, memory_fit, sim_params, write_
 
 
 def test_record_from_the_config_alone(tmp_path):
-  cfg = _cfg("disaggregated", steps=4)
+  cfg = tiny_cfg("disaggregated", steps=4)
   a = Assumptions(train_s=10.0, decode_tokens_per_s_per_device=500.0, per_seq_tokens_per_s=20.0)
   fig = write_record(cfg, str(tmp_path), assumptions=a)
   for name in ("record.md", "record.json", "timelines.png", "split_sweep.png"):
@@ -37,7 +37,7 @@ def test_record_from_the_config_alone(tmp_path):
 def test_record_warns_when_the_state_cannot_fit_a_device(tmp_path):
   """A 7B model trained on one device: fp32 weights, gradients and two moments are 4 x 30.5 GB, plus
   the bf16 rollout copy colocated. Before: the record printed the 30 GB and no warning."""
-  from test_rl_loop import load_config
+  from run_fixtures import load_config
 
   from jaxrl_topo.runtime.config import from_config_dict
 
@@ -52,7 +52,7 @@ def test_record_warns_when_the_state_cannot_fit_a_device(tmp_path):
   step = types.SimpleNamespace(trainer_param_bytes_per_device=20_500_000_000, sync_lora=None,
                                rollout_param_bytes_per_device=0)
   assert memory_fit(step, "disaggregated", 80.0)["fits"] and not memory_fit(step, "disaggregated", 76.0)["fits"]
-  tiny = write_record(_cfg("disaggregated", steps=4), str(tmp_path / "tiny"))
+  tiny = write_record(tiny_cfg("disaggregated", steps=4), str(tmp_path / "tiny"))
   assert tiny["memory"]["fits"] and "WARNING" not in (tmp_path / "tiny" / "record.md").read_text()
 
 
@@ -62,7 +62,7 @@ def test_record_of_a_measured_run_is_consistent(tmp_path):
   from jaxrl_topo.runtime.metrics import read_metrics
 
   workdir = tmp_path / "run"
-  cfg = _cfg("disaggregated", steps=4)
+  cfg = tiny_cfg("disaggregated", steps=4)
   run_lib.train(cfg, str(workdir), progress=False)
   fig = write_record(cfg, str(tmp_path / "record"), workdir=str(workdir))
   measured = read_metrics(str(workdir))
@@ -91,7 +91,7 @@ def _synthetic_run(workdir, spans_of_step, n_steps=8):
 def test_record_compares_train_without_the_logprob_pre_pass(tmp_path):
   """A run with a log-prob pre-pass (1 s) before each train step (2 s). The simulator's train phase holds both,
   but the run's train spans hold only the step. Before, the record compared 3 s against 2 s and flagged it."""
-  from test_rl_loop import load_config
+  from run_fixtures import load_config
 
   from jaxrl_topo.runtime.config import from_config_dict
 

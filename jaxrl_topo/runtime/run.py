@@ -131,6 +131,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       landed = meta.get("landed")  # step start - 1's metrics line as it stood when the checkpoint was taken
       if start > 0:
         loop_lib.sync_weights(exp, start)
+      else:  # checkpoint 0, the warm-up's: version 0 is its weights, not the initial ones the engine was built from
+        exp.engine.params = exp.sync(exp.state, None)[0]
       logging.info("resumed from step %d of %s", start, workdir)
     if not new and start < cfg.run.steps:  # a relaunch that trains nothing leaves the run's record as it is
       changed = _config_changes(cfg, workdir)
@@ -140,6 +142,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       _record(cfg, workdir)
     if before is None:
       before = evaluate_metrics(exp, tag=0)
+      if latest is None and cfg.run.sft_steps:  # checkpoint 0: a relaunch killed before checkpoint 1 keeps the warm-up
+        _save(ckpt, cfg, exp, 0, exp.prompts.get_state(), before, [])
     logging.info("held-out accuracy before RL: %.3f", before[EVAL_ACCURACY])
     # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
     # from the checkpoint, with its evaluation run on the restored weights (the ones it evaluated).

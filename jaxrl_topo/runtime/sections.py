@@ -228,7 +228,9 @@ class RunSpec:
   # only when eta forces it. Multi-process runs always take the counter schedule (every process decides alike).
   deterministic: bool = False
   land_after_chunks: int = 4  # deterministic async: a finished train step's weights land after this many chunks
-  checkpoint_every: int = 10  # steps between checkpoints (0: only at the end); at most this many steps are redone
+  # steps between checkpoints (0: only at the end); at most this many steps are redone. A warm-up (sft_steps) is
+  # checkpointed as step 0, so a relaunch never redoes it
+  checkpoint_every: int = 10
   keep_checkpoints: int = 2
   log_every: int = 1
   tensorboard: bool = True
