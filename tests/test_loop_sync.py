@@ -42,10 +42,15 @@ def _train(cfg, workdir, setup=lambda exp: None):
 
 def test_delta_sync_sends_only_changed_buckets_and_lands_the_same_weights(tmp_path):
   """optim.warmup_steps=1: step 0 trains at lr 0, so its sync finds nothing changed; from step 1 on the
-  weights move (weight decay moves them even where a batch's advantages are all zero)."""
+  weights move (weight decay moves them even where a batch's advantages are all zero). The full run reshards on
+  the rollout side (sync.route=destination; auto picks the source side for some leaves here): the same weights."""
   kw = {"optim.warmup_steps": 1, "optim.weight_decay": 0.1, "sync.bucket_mib": 64 / 1024}
-  full, full_w, _ = _train(_cfg(3, **kw), tmp_path / "full")
-  delta, delta_w, trainer = _train(_cfg(3, **{**kw, "sync.mode": "delta"}), tmp_path / "delta")
+  routes = {}
+  full, full_w, _ = _train(_cfg(3, **kw, **{"sync.route": "destination"}), tmp_path / "full",
+                           setup=lambda exp: routes.update(full={leaf.route for leaf in exp.sync.plan.leaves}))
+  delta, delta_w, trainer = _train(_cfg(3, **{**kw, "sync.mode": "delta"}), tmp_path / "delta",
+                                   setup=lambda exp: routes.update(delta={leaf.route for leaf in exp.sync.plan.leaves}))
+  assert routes["full"] == {"destination"} and "source" in routes["delta"], routes
   assert [r["sync/changed_frac"] for r in full] == [1.0, 1.0, 1.0]
   assert delta[0]["sync/changed_frac"] == 0.0 and delta[0]["sync/bytes"] == 0.0
   assert 0.0 < delta[1]["sync/changed_frac"] <= 1.0 and delta[1]["sync/bytes"] > 0
@@ -117,6 +122,8 @@ def test_sync_config_is_validated():
     SyncSpec(mode="fast")
   with pytest.raises(ValueError, match="bucket_mib"):
     SyncSpec(bucket_mib=0)
+  with pytest.raises(ValueError, match=r"sync.route='rollout'; expected one of \('auto', 'source'"):
+    SyncSpec(route="rollout")
   with pytest.raises(ValueError, match="needs LoRA"):
     _cfg(**{"sync.mode": "lora"})
   c = load_config("grpo_task", "tiny")

@@ -13,6 +13,7 @@ from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import check_ranges
+from jaxrl_topo.topology.transfer import ROUTES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -274,10 +275,17 @@ class SyncSpec:
   # Destination MiB per bucket. The old rollout weights are freed bucket by bucket just before each new
   # bucket lands, so a sync needs about one bucket of extra rollout memory (not a second copy).
   bucket_mib: float = 64.0
+  # where a leaf whose layout differs between the meshes is resharded (topology/transfer.py): auto (whichever ships
+  # fewer bytes between the device sets), source (on the trainer's devices, then the shards are copied: the extra
+  # copy is on the trainer side), destination (copied in the trainer's layout, resharded on the rollout devices:
+  # the extra copy is on the rollout side), device_put (JAX's own routing)
+  route: str = "auto"
 
   def __post_init__(self):
     if self.mode not in SYNC_MODES:
       raise ValueError(f"sync.mode={self.mode!r}; expected one of {SYNC_MODES}")
+    if self.route not in ROUTES:
+      raise ValueError(f"sync.route={self.route!r}; expected one of {ROUTES}")
     if not self.bucket_mib > 0:
       raise ValueError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
 

@@ -31,16 +31,18 @@ class WeightSync:
   def __init__(self, cfg, state, rollout_shardings, dst_dtype, rollout_mesh):
     self.mode, self.lora = cfg.sync.mode, cfg.lora
     self.on_bucket: Callable[[int], None] | None = None
-    bucket = cfg.sync.bucket_bytes
+    bucket, route = cfg.sync.bucket_bytes, cfg.sync.route
     if self.mode == "lora":
-      self._base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket)
+      self._base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
+                                           route=route)
       self.rebase(state)
       adapters = state.params["policy"]
-      self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket)
+      self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket,
+                                     route=route)
     else:
       self.base = None
       self.plan = TransferPlan.build(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
-                                     mode=self.mode)
+                                     mode=self.mode, route=route)
     self._adapters = None  # lora: the adapters on the rollout side (the old destination of the next sync)
 
   def rebase(self, state) -> None:
