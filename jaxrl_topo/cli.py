@@ -184,7 +184,7 @@ def _set_nones(keys: list[str]) -> None:
     apply_override(flags.FLAGS["config"].value, f"{key}=None", f"--config.{key}=None")
 
 
-def _value(text: str):
+def value_of(text: str):
   """An override's value: a Python literal, "none" as None (as `--config.key=none` is), else the bare string."""
   if text == "none":
     return None
@@ -210,7 +210,7 @@ def apply_override(config, item: str, where: str = "") -> None:
     node = config
     for p in path:
       node = node[p]
-    node[last] = _value(text)
+    node[last] = value_of(text)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     raise UserError(f"{where}: {message(e)}") from None
 

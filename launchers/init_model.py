@@ -1,6 +1,7 @@
 """Write a randomly initialised model of a preset as a local HF directory (char tokenizer included).
 
   python launchers/init_model.py --preset=tiny --out=runs/tiny_model [--seed=0]
+  python launchers/init_model.py --preset=tiny --set=n_layers=4 --set=d_model=128 --out=runs/tiny4
   python launchers/init_model.py --preset=qwen2.5-0.5b --out=runs/q05 --tokenizer_from=/models/Qwen2.5-0.5B
 
 The directory loads with `launchers/generate.py --model=...` and with `transformers`. The built-in
@@ -10,6 +11,8 @@ for its EOS ids) instead, and without it a note says how much of the vocabulary 
 --out must be a new or empty directory: an existing model (or anything else) there is refused, not overwritten.
 """
 
+import dataclasses
+import difflib
 import json
 import os
 import shutil
@@ -28,6 +31,33 @@ _OUT = flags.DEFINE_string("out", None, "Directory to write (new or empty: an ex
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed.")
 _TOKENIZER_FROM = flags.DEFINE_string("tokenizer_from", None, "A local HF directory whose tokenizer to ship instead "
                                       "of the char tokenizer (its vocabulary must fit the preset's).")
+_SET = flags.DEFINE_multi_string("set", [], "A field of the preset's shape, name=value (repeatable), e.g. "
+                                 "--set=n_layers=4 --set=d_model=128: as a run's model.overrides.")
+
+
+def preset_with(preset: str, items: Sequence[str]):
+  """The preset's ModelConfig with `--set` items (field=value) over it; raises naming the item at fault."""
+  from jaxrl_topo.runtime.sections import NOT_ARCHITECTURE
+
+  cfg = get_preset(preset)
+  fields = [f.name for f in dataclasses.fields(cfg)]
+  overrides = {}
+  for item in items:
+    name, eq, text = item.partition("=")
+    if not eq:
+      raise cli.UserError(f"--set={item}: expected field=value")
+    if name not in fields:
+      close = difflib.get_close_matches(name, fields, n=1)
+      raise cli.UserError(f"--set={item}: the model config has no field {name!r}"
+                          + (f"; did you mean {close[0]!r}?" if close else f" (fields: {', '.join(fields)})"))
+    if name in NOT_ARCHITECTURE:
+      raise cli.UserError(f"--set={item}: not part of the model's config.json (a run sets it: "
+                          f"{NOT_ARCHITECTURE[name]})")
+    overrides[name] = cli.value_of(text)
+  try:
+    return dataclasses.replace(cfg, **overrides)
+  except (TypeError, ValueError) as e:  # ModelConfig's own checks: "n_heads=3 is not a multiple of n_kv_heads=2"
+    raise cli.UserError(f"--set: {e}") from None
 
 def check_tokenizer(src: str, vocab_size: int) -> None:
   """Raises, before anything is written, unless `src` has a tokenizer whose vocabulary fits `vocab_size`."""
@@ -67,20 +97,21 @@ def copy_tokenizer(src: str, out: str, vocab_size: int) -> list[str]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  cfg = get_preset(_PRESET.value)
+  cfg = preset_with(_PRESET.value, _SET.value)
   hf_io.check_out_dir(_OUT.value)  # never over a model (or anything else) the user already has
   if _TOKENIZER_FROM.value:
     check_tokenizer(_TOKENIZER_FROM.value, cfg.vocab_size)
   write_fresh_model(_OUT.value, cfg, _SEED.value)
+  shape = _PRESET.value + (f" ({', '.join(_SET.value)})" if _SET.value else "")
   if _TOKENIZER_FROM.value:
     copied = copy_tokenizer(_TOKENIZER_FROM.value, _OUT.value, cfg.vocab_size)
-    print(f"wrote a fresh {_PRESET.value} model to {_OUT.value} with the tokenizer of {_TOKENIZER_FROM.value} "
+    print(f"wrote a fresh {shape} model to {_OUT.value} with the tokenizer of {_TOKENIZER_FROM.value} "
           f"({', '.join(copied)})")
     return
   from jaxrl_topo.models.tokenizer import Tokenizer
 
   covered = Tokenizer.from_dir(_OUT.value).tok.get_vocab_size(with_added_tokens=True)
-  print(f"wrote a fresh {_PRESET.value} model to {_OUT.value}")
+  print(f"wrote a fresh {shape} model to {_OUT.value}")
   if covered < cfg.vocab_size // 2:
     print(f"note: its char tokenizer covers {covered} of the model's {cfg.vocab_size:,} token ids, so text in and out "
           "is limited to those characters; --tokenizer_from=DIR ships a real model's tokenizer instead")

@@ -246,6 +246,23 @@ def test_init_model_never_overwrites(tmp_path, model):
   assert afile.read_text() == "mine\n"
 
 
+def test_init_model_sets_fields_of_the_preset(tmp_path):
+  """--set=field=value over the preset's shape (as a run's model.overrides); a misspelt field, a field a run sets
+  itself, and a shape the model config refuses are one-line errors with nothing written."""
+  out = tmp_path / "m"
+  r = _run(INIT, "--preset=tiny", "--set=n_layers=3", "--set=d_model=96", "--set=tie_embeddings=True", f"--out={out}")
+  assert r.returncode == 0 and "wrote a fresh tiny (n_layers=3, d_model=96, tie_embeddings=True) model" in r.stdout, (
+      r.stderr[-2000:])
+  config = json.loads((out / "config.json").read_text())
+  assert (config["num_hidden_layers"], config["hidden_size"], config["tie_word_embeddings"]) == (3, 96, True)
+  for item, says in (("n_layer=3", "--set=n_layer=3: the model config has no field 'n_layer'; did you mean "
+                                   "'n_layers'?"),
+                     ("dtype=float32", "--set=dtype=float32: not part of the model's config.json"),
+                     ("n_heads=3", "--set: ModelConfig.n_heads=3 is not a multiple of n_kv_heads=2")):
+    _one_line_error(_run(INIT, "--preset=tiny", f"--set={item}", f"--out={tmp_path / 'x'}"), says)
+  assert not (tmp_path / "x").exists()
+
+
 @pytest.fixture
 def workdir(tmp_path):
   """A run directory as far as export's checks look (config.json, init_model/, checkpoints/)."""

@@ -43,13 +43,13 @@ class ModelSpec:
       raise ValueError(f"model.attn_block={self.attn_block} must be >= 8")
     if self.hf_dir is not None and self.overrides:
       raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
-    for name in sorted(set(self.overrides) & set(_NOT_ARCHITECTURE)):  # the run rebuilds the model from config.json
+    for name in sorted(set(self.overrides) & set(NOT_ARCHITECTURE)):  # the run rebuilds the model from config.json
       raise ValueError(f"model.overrides.{name}: not part of the model's config.json, so the run would not see it; "
-                       f"{_NOT_ARCHITECTURE[name]}")
+                       f"{NOT_ARCHITECTURE[name]}")
 
 
 # ModelConfig fields the run sets from its own keys, not from the model directory: an override would be dropped.
-_NOT_ARCHITECTURE = {"attention": "set model.attention", "attn_block": "set model.attn_block",
+NOT_ARCHITECTURE = {"attention": "set model.attention", "attn_block": "set model.attn_block",
                      "dtype": "set model.dtype (the compute dtype)",
                      "param_dtype": "training keeps fp32 parameters (model.dtype sets the compute dtype)"}
 
