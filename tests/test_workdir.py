@@ -429,6 +429,10 @@ def test_a_folder_of_a_run_is_refused_as_a_workdir(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"is inside the run {work}'s own {inside.split('/')[0]}/")):
       workdir.check_not_a_model(cfg, str(work / inside))
   workdir.check_not_a_model(cfg, str(work / "mine"))
+  model = tmp_path / "model"  # a model directory (an HF config.json) with a checkpoints/ folder of its own
+  (model / "checkpoints").mkdir(parents=True)
+  (model / "config.json").write_text('{"model_type": "llama"}')
+  workdir.check_not_a_model(cfg, str(model / "checkpoints" / "run"))  # before: "inside the run ...'s own"
 
 
 def test_a_resume_names_what_its_config_changes(tmp_path):

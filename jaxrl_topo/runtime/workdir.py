@@ -105,15 +105,8 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
     if d is not None and os.path.realpath(d) == real:
       raise ValueError(f"{where} {workdir} is {key}: a run writes its own config.json there; use another directory")
   found = [n for n in MODEL_FILES if os.path.exists(os.path.join(workdir, n))]
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not found and os.path.isfile(path):
-    try:
-      with open(path) as f:
-        saved = json.load(f)
-    except (OSError, ValueError):  # not JSON: a torn run config, named by recorded_identity (--fresh mends it)
-      saved = None
-    if saved is not None and not (isinstance(saved, dict) and "run" in saved and "model" in saved):
-      found = [CONFIG_FILE + " (not a run's)"]
+  if not found and _run_config(workdir) is False:  # (None: none, or a torn run config: recorded_identity names it)
+    found = [CONFIG_FILE + " (not a run's)"]
   if found:
     raise ValueError(f"{where} {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
                      "changed. Use another directory (a run writes its own config.json there)")
@@ -125,10 +118,21 @@ def _run_around(real: str) -> tuple[str | None, str | None]:
   path = real
   while os.path.dirname(path) != path:
     parent, name = os.path.dirname(path), os.path.basename(path)
-    if name in RUN_FILES and any(os.path.isfile(os.path.join(parent, f)) for f in (IDENTITY_FILE, CONFIG_FILE)):
+    if name in RUN_FILES and (os.path.isfile(os.path.join(parent, IDENTITY_FILE)) or _run_config(parent)):
       return parent, name
     path = parent
   return None, None
+
+
+def _run_config(directory: str) -> bool | None:
+  """Whether `directory`'s config.json is a run's (sections "run" and "model"; a model's is not); None when there
+  is none, or it is not JSON."""
+  try:
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return isinstance(saved, dict) and "run" in saved and "model" in saved
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:
