@@ -255,11 +255,8 @@ def test_init_model_sets_fields_of_the_preset(tmp_path):
       r.stderr[-2000:])
   config = json.loads((out / "config.json").read_text())
   assert (config["num_hidden_layers"], config["hidden_size"], config["tie_word_embeddings"]) == (3, 96, True)
-  for item, says in (("n_layer=3", "--set=n_layer=3: the model config has no field 'n_layer'; did you mean "
-                                   "'n_layers'?"),
-                     ("dtype=float32", "--set=dtype=float32: not part of the model's config.json"),
-                     ("n_heads=3", "--set: ModelConfig.n_heads=3 is not a multiple of n_kv_heads=2")):
-    _one_line_error(_run(INIT, "--preset=tiny", f"--set={item}", f"--out={tmp_path / 'x'}"), says)
+  _one_line_error(_run(INIT, "--preset=tiny", "--set=n_layer=3", f"--out={tmp_path / 'x'}"),
+                  "--set: 'n_layer' is not a model config field; did you mean 'n_layers'?")  # the rest: preset_with
   assert not (tmp_path / "x").exists()
 
 

@@ -174,6 +174,13 @@ def test_get_preset_overrides_and_lists_choices():
   assert PRESETS["qwen3-8b"].dtype == "bfloat16", "get_preset mutated the shared preset"
   with pytest.raises(ValueError, match="qwen3-8b"):
     get_preset("qwen-8b")
+  # a misspelt field is named with the nearest (before: dataclasses' "unexpected keyword argument"), then
+  # ModelConfig's own checks (what init_model.py --set and a run's model.overrides reach)
+  with pytest.raises(ValueError, match="'n_layer' is not a model config field; did you mean 'n_layers'"):
+    get_preset("tiny", n_layer=3)
+  with pytest.raises(ValueError, match="n_heads=3 is not a multiple of n_kv_heads=2"):
+    get_preset("tiny", n_heads=3)
+  assert get_preset("tiny", n_layers=3, d_model=96).n_layers == 3
 
 
 # --- logical axis rules ----------------------------------------------------------------------

@@ -34,6 +34,8 @@ from jaxrl_topo.runtime.config import from_config_dict
     ("run.seed", 2**32 + 7, "run.seed=4294967303 must be in [0, 2**32)"),  # before: sampled as seed 7 does
     # before: accepted, then dropped (the run rebuilds its model from config.json)
     ("model.overrides", {"attention": "reference"}, "model.overrides.attention: not part of the model's config.json"),
+    # before: accepted, then "unexpected keyword argument" once the run wrote its init_model
+    ("model.overrides", {"n_layer": 3}, "model.overrides: 'n_layer' is not a model config field; did you mean"),
     ("run.sft_lr", float("inf"), "run.sft_lr=inf must be finite"),
     ("run.eval_samples", 0, "run.eval_samples=0 must be >= 1"),
     ("run.eval_samples", 4, "set rollout.eval_greedy=False to sample them"),  # the config evaluates greedily

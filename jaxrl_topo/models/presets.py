@@ -8,6 +8,8 @@ for sizing, benchmarks and review.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Iterable
 
 from jaxrl_topo.models.config import ModelConfig, RopeScaling
 
@@ -70,7 +72,19 @@ PUBLISHED_PARAMS_B: dict[str, tuple[str, str | None]] = {
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
-  """A preset by name with field overrides (e.g. dtype="float32"); unknown names list the choices."""
+  """A preset by name with field overrides (e.g. dtype="float32"); unknown names list the choices, an unknown
+  field is named with the nearest one (ModelConfig's own checks follow)."""
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+  check_fields(overrides)
   return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def check_fields(names: Iterable[str]) -> None:
+  """Raises ValueError for the first of `names` that is not a ModelConfig field, with the nearest one."""
+  fields = [f.name for f in dataclasses.fields(ModelConfig)]
+  for name in names:
+    if name not in fields:
+      close = difflib.get_close_matches(name, fields, n=1)
+      raise ValueError(f"{name!r} is not a model config field" + (f"; did you mean {close[0]!r}?" if close else
+                                                                   f" (fields: {', '.join(fields)})"))

@@ -99,8 +99,8 @@ def model_dir_for(cfg: RunConfig, workdir: str) -> str:
   # Process 0's answer: a process that looked after process 0 had written the model would skip the barrier.
   if not broadcast(os.path.isfile(os.path.join(path, "config.json")), src=0):
     try:
-      model_cfg = dataclasses.replace(get_preset(cfg.model.preset), **cfg.model.overrides)
-    except TypeError as e:
+      model_cfg = get_preset(cfg.model.preset, **cfg.model.overrides)
+    except ValueError as e:  # ModelConfig's own checks, e.g. n_heads not a multiple of n_kv_heads
       raise ValueError(f"model.overrides: {e}") from None
     if jax.process_index() == 0:
       write_fresh_model(path, model_cfg, seed=cfg.model.init_seed)

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from jaxrl_topo.models.config import ATTENTION_IMPLS
+from jaxrl_topo.models.presets import check_fields
 from jaxrl_topo.rollout import engine_config
 from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES
 from jaxrl_topo.rollout.paged import IMPLS
@@ -43,6 +44,10 @@ class ModelSpec:
       raise ValueError(f"model.attn_block={self.attn_block} must be >= 8")
     if self.hf_dir is not None and self.overrides:
       raise ValueError("model.overrides apply to presets; an HF directory brings its own config.json")
+    try:
+      check_fields(self.overrides)
+    except ValueError as e:
+      raise ValueError(f"model.overrides: {e}") from None
     for name in sorted(set(self.overrides) & set(NOT_ARCHITECTURE)):  # the run rebuilds the model from config.json
       raise ValueError(f"model.overrides.{name}: not part of the model's config.json, so the run would not see it; "
                        f"{NOT_ARCHITECTURE[name]}")
