@@ -93,7 +93,9 @@ def test_colocated_and_disaggregated_with_zero_staleness_give_the_same_parameter
   for mode in ("colocated", "disaggregated"):
     # A length reward: after 10 warm-up steps the task's own reward is 0 for every sample, so every advantage
     # would be 0 and the steps would move nothing (and both runs would match trivially).
-    cfg = tiny_cfg(mode, steps=3, **{"run.max_staleness": 0, "reward.fn": "reward_fns_for_tests:length"})
+    # (the warm-up in 2 microbatches: its numbers are test_train_updates.py's; here the loop reaches them)
+    cfg = tiny_cfg(mode, steps=3, **{"run.max_staleness": 0, "reward.fn": "reward_fns_for_tests:length",
+                                     "run.sft_n_micro": 2})
     exp = experiment.build(cfg, str(tmp_path / mode))  # the supervised warm-up runs here
     try:
       start[mode], ok = jax.device_get(exp.state.params), []

@@ -38,6 +38,8 @@ from jaxrl_topo.runtime.config import from_config_dict
     ("model.overrides", {"n_layer": 3}, "model.overrides: 'n_layer' is not a model config field; did you mean"),
     ("run.sft_lr", float("inf"), "run.sft_lr=inf must be finite"),
     ("run.eval_samples", 0, "run.eval_samples=0 must be >= 1"),
+    ("run.sft_n_micro", 3, "run.sft_batch=64 must be a multiple of run.sft_n_micro=3"),
+    ("run.sft_weight_decay", -0.1, "run.sft_weight_decay=-0.1 must be >= 0"),
     ("run.eval_samples", 4, "set rollout.eval_greedy=False to sample them"),  # the config evaluates greedily
     ("run.eval_samples", 512, "run.eval_samples=512 > rollout.n_slots"),
 ])

@@ -16,7 +16,7 @@ import train_fixtures as fx
 from jaxrl_topo.train.batch import Completion, build_batch
 from jaxrl_topo.train.config import LossConfig, OptimConfig, TrainConfig
 from jaxrl_topo.train.optim import learning_rate, make_optimizer
-from jaxrl_topo.train.sft import sft_optimizer
+from jaxrl_topo.train.sft import make_sft_step, sft_optimizer
 from jaxrl_topo.train.state import create_train_state
 from jaxrl_topo.train.step import advance_schedule, train_step
 
@@ -122,6 +122,23 @@ def test_cosine_schedule_and_global_norm_clip_by_hand():
   sft_clipped = two_updates(sft_optimizer(0.1, 1.0), scaled(2.0), scaled(0.02))
   np.testing.assert_allclose(sft_clipped, two_updates(sft_optimizer(0.1, 0.0), scaled(0.2), scaled(0.02)), rtol=1e-6)
   assert not np.allclose(two_updates(sft_optimizer(0.1, 0.0), scaled(2.0), scaled(0.02)), sft_clipped, rtol=1e-3)
+
+
+def test_warm_up_microbatches_take_the_one_batch_step():
+  """run.sft_n_micro: the warm-up's 16 ragged rows in 4 microbatches (scanned, each one's token sum over the whole
+  batch's token count) take the one-batch step: the same loss and weights up to summation order. A mean of the
+  microbatches' own means would differ (their token counts differ)."""
+  comps, _ = _completions()
+  _, fns, params, _, _ = fx.policy("toy")
+  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)  # the step donates its params
+  out = {}
+  for n_micro in (1, 4):
+    step, opt_state = make_sft_step(fns, sft_optimizer(1e-2, 0.0), copy(params))
+    new, _, loss = step(copy(params), opt_state, _batch(comps, n_micro))
+    out[n_micro] = (float(loss), jax.device_get(new))
+  np.testing.assert_allclose(out[4][0], out[1][0], rtol=1e-6)
+  fx.assert_trees_close(out[4][1], out[1][1], rtol=1e-5, what="4 microbatches vs 1")
+  assert fx.max_rel_diff(out[1][1], jax.device_get(params)) > 0, "the warm-up step moved nothing"
 
 
 def test_weight_decay_mask_by_hand():

@@ -163,13 +163,14 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
                            chat=cfg.data.chat_template, role=cfg.env.role, resp_len=resp_len)
   if not pairs:
     raise ValueError("run.sft_steps > 0 needs training prompts with reference answers")
-  step, opt_state = make_sft_step(fns, sft_optimizer(rc.sft_lr, rc.sft_max_grad_norm), params)
+  step, opt_state = make_sft_step(fns, sft_optimizer(rc.sft_lr, rc.sft_max_grad_norm, rc.sft_weight_decay), params)
   rng = np.random.default_rng(rc.seed)
   t0 = time.perf_counter()
   for i in range(rc.sft_steps):
     pick = rng.choice(len(pairs), size=rc.sft_batch, replace=len(pairs) < rc.sft_batch)
     comps = [Completion(pairs[j][0], pairs[j][1], 0.0, [0.0] * len(pairs[j][1]), pairs[j][2]) for j in pick]
-    batch = build_batch(comps, n_micro=1, rows=rc.sft_batch, row_len=row_len, resp_len=resp_len, pack=False)
+    batch = build_batch(comps, n_micro=rc.sft_n_micro, rows=rc.sft_batch // rc.sft_n_micro, row_len=row_len,
+                        resp_len=resp_len, pack=False)
     params, opt_state, loss = step(params, opt_state, batch)
     if (i + 1) % 10 == 0 or i + 1 == rc.sft_steps:
       logging.info("sft warm-up %d/%d: loss %.3f (%.0f s)", i + 1, rc.sft_steps, float(to_host(loss)),

@@ -252,13 +252,17 @@ class RunSpec:
   # (0.340 -> 1.000), and seeds 0 and 2 ended at 1.000 and 0.996 (benchmarks/RESULTS.md)
   sft_max_grad_norm: float = 0.0
   sft_batch: int = 64
+  sft_n_micro: int = 1  # microbatches a warm-up step's rows are split into (less activation memory, the same step)
+  sft_weight_decay: float = 1e-4  # the warm-up's AdamW decoupled weight decay
 
   def __post_init__(self):
     check_ranges("run", self, steps=">=0", n_micro=">=1", max_staleness=">=0", land_after_chunks=">=1",
                  eval_every=">=0", eval_size=">=0", eval_samples=">=1", checkpoint_every=">=0", keep_checkpoints=">=1",
                  log_every=">=1",
                  sft_steps=">=0", sft_target_accuracy="0..1", sft_eval_every=">=1", sft_dev_size=">=1", sft_lr=">0",
-                 sft_batch=">=1", sft_max_grad_norm=">=0")
+                 sft_batch=">=1", sft_max_grad_norm=">=0", sft_n_micro=">=1", sft_weight_decay=">=0")
+    if self.sft_batch % self.sft_n_micro:
+      raise ValueError(f"run.sft_batch={self.sft_batch} must be a multiple of run.sft_n_micro={self.sft_n_micro}")
     if self.profile_step < -1:
       raise ValueError(f"run.profile_step={self.profile_step} must be >= 0 (a step to trace) or -1 (none)")
     if not 0 <= self.seed < 2**32:  # a sampling key keeps 32 bits: 2**32 + 7 would sample as 7 does
