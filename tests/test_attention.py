@@ -151,3 +151,14 @@ def test_cached_prefill_attention_equals_the_masked_reference(N, K):
   want = gqa_attention(q, k, v, jnp.arange(S)[None, None, :] <= positions[:, :, None])
   got = jax.jit(functools.partial(attention.cached_attention, block=32))(q, k, v, positions)
   np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_auto_trains_with_cudnn_only_where_its_limits_allow():
+  """model.attention=auto (the default): cuDNN on a GPU for bf16 padded rows with head_dim a multiple of 8; flash
+  for packed rows, fp32, another head_dim, or a CPU; a name given is kept."""
+  training_attention = attention.training_attention
+  gpu = dict(platform="gpu", dtype="bfloat16", packed=False, head_dim=64)
+  assert training_attention("auto", **gpu) == "cudnn"
+  for change in (dict(packed=True), dict(dtype="float32"), dict(head_dim=20), dict(platform="cpu")):
+    assert training_attention("auto", **{**gpu, **change}) == "flash", change
+  assert training_attention("xla", **gpu) == "xla" and training_attention("flash", **gpu) == "flash"

@@ -24,6 +24,7 @@ from jaxrl_topo.envs.env_pool import EnvPool
 from jaxrl_topo.envs.reward_pool import CircuitBreaker, RewardPool, score_inline
 from jaxrl_topo.envs.turns import EnvTurns, demonstrations
 from jaxrl_topo.models import hf_io
+from jaxrl_topo.models.attention import training_attention
 from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.fresh import write_fresh_model
 from jaxrl_topo.models.model import abstract_model
@@ -205,8 +206,10 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   topology = carve(cfg.topology)
   model_dir = model_dir_for(cfg, workdir)
   tokenizer = Tokenizer.from_dir(model_dir)
-  model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype, attention=cfg.model.attention,
-                                attn_block=cfg.model.attn_block)
+  model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype, attn_block=cfg.model.attn_block)
+  model_cfg = dataclasses.replace(model_cfg, attention=training_attention(
+      cfg.model.attention, platform=topology.trainer.devices.flat[0].platform, dtype=cfg.model.dtype,
+      packed=cfg.train.max_tokens_per_row > 0, head_dim=model_cfg.head_dim))
   graphdef, abstract = abstract_model(model_cfg)  # the rollout's (no trainer constraints, no remat)
   # The trainer's: activation sharding constraints on its mesh and the configured remat (the graph
   # tests/test_model.py checks sharded), used by the train step, the logprobs phase and the warm-up.
@@ -258,8 +261,9 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
                    chat=cfg.data.chat_template, role=cfg.env.role, error_score=cfg.env.error_score,
                    max_prompt_len=cfg.data.max_prompt_len, breaker=breaker)
   dp_width = int(np.prod([topology.trainer.shape[a] for a in batch_axes(topology.trainer, TRAIN_RULES)]))
-  logging.info("experiment: mode=%s model=%s (%d layers, d=%d) trainer=%s rollout=%s", topology.mode, model_dir,
-               model_cfg.n_layers, model_cfg.d_model, dict(topology.trainer.shape), dict(topology.rollout.shape))
+  logging.info("experiment: mode=%s model=%s (%d layers, d=%d, %s attention) trainer=%s rollout=%s", topology.mode,
+               model_dir, model_cfg.n_layers, model_cfg.d_model, model_cfg.attention, dict(topology.trainer.shape),
+               dict(topology.rollout.shape))
   return Experiment(cfg=cfg, model_dir=model_dir, model_cfg=model_cfg, graphdef=graphdef, tokenizer=tokenizer,
                     topology=topology, fns=fns, state=state, step_fn=step_fn, logprobs_fn=logprobs_fn, sync=sync,
                     engine=engine, rewards=rewards, reward_model=reward_model, prompts=prompts, heldout=heldout,

@@ -26,7 +26,9 @@ class ModelSpec:
   dtype: str = "float32"  # compute dtype; params stay fp32 for training
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields over the preset
   init_seed: int = 0
-  attention: str = "flash"  # training attention (models/attention.py): flash | reference | xla | cudnn
+  # training attention (models/attention.py): auto (cuDNN on a GPU for bf16 padded rows, else flash) | flash |
+  # reference | xla | cudnn
+  attention: str = "auto"
   attn_block: int = 128  # flash: tokens per tile
   # jax.default_matmul_precision for every program of the run (train, logprobs, rollout): "default" keeps
   # the backend's (TF32 for fp32 matmuls on recent NVIDIA GPUs, full fp32 on CPU); "highest" = full fp32
@@ -36,8 +38,8 @@ class ModelSpec:
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"model.dtype={self.dtype!r}; expected 'float32' or 'bfloat16'")
-    if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f"model.attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
+    if self.attention not in ("auto", *ATTENTION_IMPLS):
+      raise ValueError(f"model.attention={self.attention!r}; expected one of {('auto', *ATTENTION_IMPLS)}")
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision={self.matmul_precision!r}; expected one of {PRECISIONS}")
     if self.attn_block < 8:
