@@ -154,11 +154,12 @@ def test_cached_prefill_attention_equals_the_masked_reference(N, K):
 
 
 def test_auto_trains_with_cudnn_only_where_its_limits_allow():
-  """model.attention=auto (the default): cuDNN on a GPU for bf16 padded rows with head_dim a multiple of 8; flash
-  for packed rows, fp32, another head_dim, or a CPU; a name given is kept."""
+  """model.attention=auto (the default): cuDNN on an Ampere-or-newer GPU for bf16 padded rows with head_dim a multiple
+  of 8 up to 128; flash for packed rows, fp32, another head_dim, an older GPU, or a CPU; a name given is kept."""
   training_attention = attention.training_attention
-  gpu = dict(platform="gpu", dtype="bfloat16", packed=False, head_dim=64)
+  gpu = dict(platform="gpu", dtype="bfloat16", packed=False, head_dim=64, compute_capability="9.0")
   assert training_attention("auto", **gpu) == "cudnn"
-  for change in (dict(packed=True), dict(dtype="float32"), dict(head_dim=20), dict(platform="cpu")):
+  for change in (dict(packed=True), dict(dtype="float32"), dict(head_dim=20), dict(head_dim=256),
+                 dict(compute_capability="7.0"), dict(compute_capability=None), dict(platform="cpu")):
     assert training_attention("auto", **{**gpu, **change}) == "flash", change
   assert training_attention("xla", **gpu) == "xla" and training_attention("flash", **gpu) == "flash"

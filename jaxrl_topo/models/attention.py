@@ -191,13 +191,16 @@ def _dot_product(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str):
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask_B1TS, implementation="xla")
 
 
-def training_attention(requested: str, *, platform: str, dtype: str, packed: bool, head_dim: int) -> str:
+def training_attention(requested: str, *, platform: str, dtype: str, packed: bool, head_dim: int,
+                       compute_capability: str | None = None) -> str:
   """The implementation a run trains with: `requested`, unless it is "auto": cuDNN on a GPU where its limits allow
-  (bf16 compute, padded rows, head_dim a multiple of 8; measured 6.6x faster than flash at 128-token tiles on an
-  H200, benchmarks/RESULTS.md), else flash (packed rows, fp32, CPU)."""
+  (an Ampere or newer GPU, bf16 compute, padded rows, head_dim a multiple of 8 and at most 128; measured 6.6x
+  faster than flash at 128-token tiles on an H200, benchmarks/RESULTS.md), else flash (packed rows, fp32, CPU)."""
   if requested != "auto":
     return requested
-  return "cudnn" if platform == "gpu" and dtype == "bfloat16" and not packed and head_dim % 8 == 0 else "flash"
+  ampere = compute_capability is not None and float(compute_capability) >= 8.0
+  fits = dtype == "bfloat16" and not packed and head_dim % 8 == 0 and head_dim <= 128
+  return "cudnn" if platform == "gpu" and ampere and fits else "flash"
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, *, impl: str = "flash", block: int = 128):

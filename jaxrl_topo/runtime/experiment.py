@@ -207,9 +207,10 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   model_dir = model_dir_for(cfg, workdir)
   tokenizer = Tokenizer.from_dir(model_dir)
   model_cfg = hf_io.read_config(model_dir, dtype=cfg.model.dtype, attn_block=cfg.model.attn_block)
+  device = topology.trainer.devices.flat[0]
   model_cfg = dataclasses.replace(model_cfg, attention=training_attention(
-      cfg.model.attention, platform=topology.trainer.devices.flat[0].platform, dtype=cfg.model.dtype,
-      packed=cfg.train.max_tokens_per_row > 0, head_dim=model_cfg.head_dim))
+      cfg.model.attention, platform=device.platform, dtype=cfg.model.dtype, packed=cfg.train.max_tokens_per_row > 0,
+      head_dim=model_cfg.head_dim, compute_capability=getattr(device, "compute_capability", None)))
   graphdef, abstract = abstract_model(model_cfg)  # the rollout's (no trainer constraints, no remat)
   # The trainer's: activation sharding constraints on its mesh and the configured remat (the graph
   # tests/test_model.py checks sharded), used by the train step, the logprobs phase and the warm-up.
