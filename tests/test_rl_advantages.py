@@ -223,10 +223,14 @@ def _step_advantages(rewards_B, mask_BT, **loss):
   from jaxrl_topo.train.config import LossConfig
   from jaxrl_topo.train.step import _advantages
 
+  lc = LossConfig(**loss)
+
+  def advantages(rewards_MB, mask_MBT):  # the batch holds only what _advantages reads
+    batch = SimpleNamespace(rewards_MB=rewards_MB, mask_MBT=mask_MBT, sampler_logp_MBT=None)
+    return _advantages(batch, {"old_values": jnp.zeros_like(mask_MBT)}, lc)[0]
+
   mask = jnp.asarray(mask_BT, jnp.float32)[None]
-  batch = SimpleNamespace(rewards_MB=jnp.asarray(rewards_B, jnp.float32)[None], mask_MBT=mask, sampler_logp_MBT=None)
-  adv_MBT, _ = jax.jit(_advantages, static_argnums=2)(batch, {"old_values": jnp.zeros_like(mask)}, LossConfig(**loss))
-  return np.asarray(adv_MBT[0])
+  return np.asarray(jax.jit(advantages)(jnp.asarray(rewards_B, jnp.float32)[None], mask)[0])
 
 
 def test_the_steps_grpo_std_follows_the_configs_ddof():
