@@ -160,6 +160,7 @@ def test_auto_trains_with_cudnn_only_where_its_limits_allow():
   gpu = dict(platform="gpu", dtype="bfloat16", packed=False, head_dim=64, compute_capability="9.0")
   assert training_attention("auto", **gpu) == "cudnn"
   for change in (dict(packed=True), dict(dtype="float32"), dict(head_dim=20), dict(head_dim=256),
-                 dict(compute_capability="7.0"), dict(compute_capability=None), dict(platform="cpu")):
+                 dict(compute_capability="7.0"), dict(compute_capability=None), dict(compute_capability="gfx90a"),
+                 dict(platform="cpu")):
     assert training_attention("auto", **{**gpu, **change}) == "flash", change
   assert training_attention("xla", **gpu) == "xla" and training_attention("flash", **gpu) == "flash"

@@ -229,3 +229,11 @@ def test_eval_scores_by_hand():
   assert got.keys() == {"eval/accuracy", "eval/pass@3"}
   np.testing.assert_allclose([got["eval/accuracy"], got["eval/pass@3"]], [3.5 / 9, 2 / 3])
   assert eval_scores(np.array([[1.0], [0.0]])) == {"eval/accuracy": 0.5}
+  # no held-out prompts (e.g. all over data.max_prompt_len): every key the summary reads, unmeasured (before: the
+  # summary's pass@k raised a KeyError after the last step)
+  from types import SimpleNamespace
+
+  from jaxrl_topo.runtime.rollout_side import evaluate_metrics
+
+  none = evaluate_metrics(SimpleNamespace(heldout=[], cfg=SimpleNamespace(run=SimpleNamespace(eval_samples=3))))
+  assert none.keys() == {"eval/accuracy", "eval/pass@3"} and all(np.isnan(v) for v in none.values())

@@ -198,7 +198,10 @@ def training_attention(requested: str, *, platform: str, dtype: str, packed: boo
   faster than flash at 128-token tiles on an H200, benchmarks/RESULTS.md), else flash (packed rows, fp32, CPU)."""
   if requested != "auto":
     return requested
-  ampere = compute_capability is not None and float(compute_capability) >= 8.0
+  try:  # CUDA's "9.0"; None, or a ROCm GPU's "gfx90a": no cuDNN
+    ampere = float(compute_capability) >= 8.0
+  except (TypeError, ValueError):
+    ampere = False
   fits = dtype == "bfloat16" and not packed and head_dim % 8 == 0 and head_dim <= 128
   return "cudnn" if platform == "gpu" and ampere and fits else "flash"
 

@@ -43,8 +43,7 @@ def build_job(job, checkpoints: bool) -> None:
   exp.sync.rebase(exp.state)  # LoRA: the checkpoint's (warmed-up) base
   job.start = int(meta["step"])
   exp.prompts.set_state(meta["data_state"])  # after the last trained batch
-  if job.start > 0:
-    loop_lib.sync_weights(exp, job.start)
+  loop_lib.restored_weights(exp, job.start)  # a checkpoint 0 (a solo run's warm-up) too
 
 
 def close_checkpointer(job) -> None:

@@ -185,6 +185,13 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
   return params
 
 
+def _cuda_capability(device) -> str | None:
+  """A CUDA GPU's compute capability ("9.0"); None elsewhere (CPU, a ROCm GPU: no cuDNN there)."""
+  if "cuda" not in str(getattr(getattr(device, "client", None), "platform_version", "")).lower():
+    return None
+  return getattr(device, "compute_capability", None)
+
+
 def engine_config(cfg: RunConfig, eos_ids: tuple[int, ...], pad_id: int) -> EngineConfig:
   """The rollout engine's config for a run: rows of prompt + completion, in whole pages; rollout.n_pages = 0 gives
   every slot a full row's pages."""
@@ -210,7 +217,7 @@ def build(cfg: RunConfig, workdir: str, *, warmup: bool = True) -> Experiment:
   device = topology.trainer.devices.flat[0]
   model_cfg = dataclasses.replace(model_cfg, attention=training_attention(
       cfg.model.attention, platform=device.platform, dtype=cfg.model.dtype, packed=cfg.train.max_tokens_per_row > 0,
-      head_dim=model_cfg.head_dim, compute_capability=getattr(device, "compute_capability", None)))
+      head_dim=model_cfg.head_dim, compute_capability=_cuda_capability(device)))
   graphdef, abstract = abstract_model(model_cfg)  # the rollout's (no trainer constraints, no remat)
   # The trainer's: activation sharding constraints on its mesh and the configured remat (the graph
   # tests/test_model.py checks sharded), used by the train step, the logprobs phase and the warm-up.

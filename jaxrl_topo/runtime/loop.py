@@ -50,7 +50,8 @@ from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, balance_groups, build_batch, plan_rows
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
-__all__ = ["LoopHooks", "Trajectories", "evaluate", "make_batch", "rollout", "sync_weights", "train_loop"]
+__all__ = ["LoopHooks", "Trajectories", "evaluate", "make_batch", "restored_weights", "rollout", "sync_weights",
+           "train_loop"]
 
 
 @dataclasses.dataclass
@@ -112,6 +113,16 @@ def sync_weights(exp: Experiment, version: int, policy: str = "keep_kv") -> dict
   params, stats = exp.sync(exp.state, None if policy == "finish_on_old" else exp.engine.newest_params)
   exp.engine.update_weights(params, version, policy)
   return stats
+
+
+def restored_weights(exp: Experiment, start: int) -> None:
+  """After a checkpoint of step `start` restored exp.state: its weights to the engine, built from the initial ones.
+  Step 0 (the warm-up's checkpoint) is the engine's own version 0, so it is replaced in place, not versioned; the
+  old weights are freed bucket by bucket as the new ones land, as in every sync."""
+  if start > 0:
+    sync_weights(exp, start)
+  else:
+    exp.engine.params = exp.sync(exp.state, exp.engine.newest_params)[0]
 
 
 # ---------------------------------------------------------------- the loop

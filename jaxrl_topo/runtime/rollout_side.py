@@ -319,9 +319,9 @@ def evaluate_metrics(exp: Experiment, tag: int = 0) -> dict:
   """{"eval/accuracy": held-out accuracy}: the main reward's mean over `run.eval_samples` samples a prompt (greedy:
   one); with more than one, eval/pass@k too (eval_scores). With an environment the episodes' returns are the
   scores and their info means come along (eval/env/...)."""
-  if not exp.heldout:
-    return {EVAL_ACCURACY: float("nan")}
   k, etag = exp.cfg.run.eval_samples, ("eval", tag)
+  if not exp.heldout:  # every key a run reads (summary.json's pass@k), unmeasured
+    return {EVAL_ACCURACY: float("nan"), **({eval_pass_at(k): float("nan")} if k > 1 else {})}
   meta, _ = _start_episodes(exp, exp.heldout, etag, k)
   reqs = [dataclasses.replace(q, n=k) for q in _requests(exp, meta)]
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(exp.cfg.run.seed), _EVAL_TAG), tag)

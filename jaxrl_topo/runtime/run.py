@@ -129,10 +129,7 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       saved = meta.get("in_flight")  # a list of batches; older checkpoints hold a note instead (regenerate)
       produced = [inflight.from_json(d) for d in saved] if isinstance(saved, list) else []
       landed = meta.get("landed")  # step start - 1's metrics line as it stood when the checkpoint was taken
-      if start > 0:
-        loop_lib.sync_weights(exp, start)
-      else:  # checkpoint 0, the warm-up's: version 0 is its weights, not the initial ones the engine was built from
-        exp.engine.params = exp.sync(exp.state, None)[0]
+      loop_lib.restored_weights(exp, start)  # checkpoint 0 too (the warm-up's): not the initial weights
       logging.info("resumed from step %d of %s", start, workdir)
     if not new and start < cfg.run.steps:  # a relaunch that trains nothing leaves the run's record as it is
       changed = _config_changes(cfg, workdir)
@@ -253,8 +250,8 @@ def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) 
       writer.log_histogram(step, "staleness", [int(x) for x in lags])
 
 
-def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict, workdir: str,
-           start: int = 0, restored: set[int] = frozenset()):
+def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict | None,
+           workdir: str, start: int = 0, restored: set[int] = frozenset()):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
   steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone)."""
   seen = {"data_state": None, "in_flight": [], "landed": None}

@@ -237,7 +237,7 @@ class RunSpec:
   deterministic: bool = False
   land_after_chunks: int = 4  # deterministic async: a finished train step's weights land after this many chunks
   # steps between checkpoints (0: only at the end); at most this many steps are redone. A warm-up (sft_steps) is
-  # checkpointed as step 0, so a relaunch never redoes it
+  # checkpointed as step 0 once the accuracy before RL is measured: a relaunch after that does not redo it
   checkpoint_every: int = 10
   keep_checkpoints: int = 2
   log_every: int = 1

@@ -32,17 +32,23 @@ class WeightSync:
     self.mode, self.lora = cfg.sync.mode, cfg.lora
     self.on_bucket: Callable[[int], None] | None = None
     bucket, route = cfg.sync.bucket_bytes, cfg.sync.route
+
+    def plan(*args, **kw) -> TransferPlan:
+      try:
+        return TransferPlan.build(*args, bucket_bytes=bucket, route=route, **kw)
+      except ValueError as e:  # e.g. a route that cannot move these device counts: name the key that chose it
+        if route == "auto":
+          raise
+        raise ValueError(f"sync.route={route!r}: {e}") from None
+
     if self.mode == "lora":
-      self._base_plan = TransferPlan.build(state.frozen, rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
-                                           route=route)
+      self._base_plan = plan(state.frozen, rollout_shardings, dst_dtype=dst_dtype)
       self.rebase(state)
       adapters = state.params["policy"]
-      self.plan = TransferPlan.build(adapters, replicated(adapters, rollout_mesh), mode="lora", bucket_bytes=bucket,
-                                     route=route)
+      self.plan = plan(adapters, replicated(adapters, rollout_mesh), mode="lora")
     else:
       self.base = None
-      self.plan = TransferPlan.build(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, bucket_bytes=bucket,
-                                     mode=self.mode, route=route)
+      self.plan = plan(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, mode=self.mode)
     self._adapters = None  # lora: the adapters on the rollout side (the old destination of the next sync)
 
   def rebase(self, state) -> None:
