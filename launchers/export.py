@@ -25,13 +25,14 @@ _DISTRIBUTED = cli.define_distributed_flags()
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from jaxrl_topo.runtime import distributed, run
+  from jaxrl_topo.runtime import distributed
+  from jaxrl_topo.runtime.export import export
   from jaxrl_topo.runtime.workdir import check_export_out
 
   dist = _DISTRIBUTED()  # a partial explicit set-up fails here, first
-  check_export_out(_WORKDIR.value, _OUT.value)  # before anything loads (run.export checks it again)
+  check_export_out(_WORKDIR.value, _OUT.value)  # before anything loads (export checks it again)
   distributed.initialize(dist)
-  step = run.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
+  step = export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
   print(f"wrote the policy of step {step} to {_OUT.value}")
 
 

@@ -276,7 +276,7 @@ def workdir(tmp_path):
                                       ("config.json", "is the run's own config.json"), ("tb", "is the run's own tb")])
 def test_export_never_writes_over_the_run(workdir, sub, text):
   """Before: --out=R overwrote the run's config.json; --out=R/init_model replaced the run's initial model.
-  The launcher for --out=R; the others through the check it (and run.export) calls."""
+  The launcher for --out=R; the others through the check it (and export.export) calls."""
   from jaxrl_topo.runtime.workdir import check_export_out
 
   owned = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}

@@ -122,7 +122,7 @@ def test_bf16_checkpoint_loads_exactly_into_fp32(tmp_path):
 
 def test_save_model_ships_the_tokenizer_it_is_given(tmp_path):
   """A policy saved from a user's own loop: before, only config.json and the weights were written, so
-  Tokenizer.from_dir (generate, serve) could not load it. tokenizer_dir= copies the tokenizer files run.export
+  Tokenizer.from_dir (generate, serve) could not load it. tokenizer_dir= copies the tokenizer files export.export
   copies; a directory without tokenizer.json is refused before anything is written."""
   from jaxrl_topo.models.fresh import write_fresh_model
   from jaxrl_topo.models.presets import get_preset

@@ -95,6 +95,7 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   token and reward equals the same run in one process; rollout overlaps training; the checkpoint
   (held by process 0 alone) restores on both processes."""
   from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime.export import export
   from jaxrl_topo.runtime.metrics import read_metrics
 
   for k, v in {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -134,16 +135,16 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   # (--coordinator, --num_processes, --process_id; before, only environment variables could), not by
   # local_multiprocess's environment.
   port = cli.free_port()
-  export = [sys.executable, os.path.join(ROOT, "launchers", "export.py"), f"--workdir={tmp_path / 'mp'}",
-            f"--out={tmp_path / 'hf2'}", f"--coordinator=localhost:{port}", "--num_processes=2"]
+  export_cmd = [sys.executable, os.path.join(ROOT, "launchers", "export.py"), f"--workdir={tmp_path / 'mp'}",
+                f"--out={tmp_path / 'hf2'}", f"--coordinator=localhost:{port}", "--num_processes=2"]
   envs = [{k: v for k, v in local_multiprocess.child_env(i, 2, port, 4).items() if not k.startswith("JAXRL_")}
           for i in range(2)]
   logs = [tmp_path / f"export{i}.log" for i in range(2)]
-  procs = [subprocess.Popen([*export, f"--process_id={i}"], env=envs[i], stdout=logs[i].open("w"),
+  procs = [subprocess.Popen([*export_cmd, f"--process_id={i}"], env=envs[i], stdout=logs[i].open("w"),
                             stderr=subprocess.STDOUT) for i in range(2)]
   codes = [p.wait(timeout=300) for p in procs]
   assert codes == [0, 0], "the export failed:\n" + "\n".join(log.read_text()[-3000:] for log in logs)
-  run_lib.export(str(tmp_path / "mp"), str(tmp_path / "hf1"))
+  export(str(tmp_path / "mp"), str(tmp_path / "hf1"))
   assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors").read_bytes()
 
 

@@ -17,6 +17,7 @@ from subproc import cpu_env
 
 from jaxrl_topo.runtime import run as run_lib
 from jaxrl_topo.runtime.config import from_config_dict
+from jaxrl_topo.runtime.export import export
 from jaxrl_topo.runtime.metrics import comparable, read_histograms, read_metrics
 
 MODE_STEPS = 8
@@ -274,9 +275,9 @@ def test_export_writes_a_directory_transformers_loads(launched, tmp_path):
   from jaxrl_topo.runtime.checkpoint import Checkpointer
 
   out = tmp_path / "hf"
-  assert run_lib.export(str(launched / "ref"), str(out), step=4) == 4
+  assert export(str(launched / "ref"), str(out), step=4) == 4
   assert json.loads((out / "exported_from.json").read_text())["step"] == 4
-  assert run_lib.export(str(launched / "ref"), str(out)) == 6  # an earlier export is replaced
+  assert export(str(launched / "ref"), str(out)) == 6  # an earlier export is replaced
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
   tokens = np.array([[5, 9, 23, 40, 86, 7]], np.int32)
   with torch.no_grad():

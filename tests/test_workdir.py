@@ -324,7 +324,7 @@ def test_a_script_whose_run_cannot_fit_writes_nothing(tmp_path, topology, overri
 
 def test_a_scripts_run_saves_its_config_for_export(tmp_path, monkeypatch):
   """run.train (the README's script path) writes config.json as the launcher did, before the build: before, only
-  launchers/train.py saved it, and `run.export(workdir, out)` after a script's run failed with 'config.json not
+  launchers/train.py saved it, and `export.export(workdir, out)` after a script's run failed with 'config.json not
   found: is ... a run directory of launchers/train.py?'. It reads back as the run's config, run.fresh=False."""
   from jaxrl_topo.runtime import experiment
 

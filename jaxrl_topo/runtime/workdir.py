@@ -25,7 +25,7 @@ from jaxrl_topo.runtime.config import RunConfig
 
 IDENTITY_FILE = "identity.json"
 CONFIG_FILE = "config.json"  # the launcher's ConfigDict (run.save_config): export and resume read it
-EXPORT_RECORD = "exported_from.json"  # written by run.export beside the model: only such a directory is replaced
+EXPORT_RECORD = "exported_from.json"  # written by export.export beside the model: only such a directory is replaced
 RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
              "reward_curve.png", CONFIG_FILE, IDENTITY_FILE)
 
@@ -191,7 +191,7 @@ def check_export_out(workdir: str, out: str) -> None:
     with open(os.path.join(workdir, CONFIG_FILE)) as f:
       base = json.load(f).get("model", {}).get("hf_dir")
   except (OSError, ValueError, AttributeError):
-    base = None  # run.export names what is wrong with the config
+    base = None  # export names what is wrong with the config
   if isinstance(base, str) and base and os.path.realpath(base) == dest:
     raise ValueError(f"--out={out} is the model the run started from (model.hf_dir): choose a new directory")
   if hf_io.is_model_dir(out) and not os.path.isfile(os.path.join(out, EXPORT_RECORD)):

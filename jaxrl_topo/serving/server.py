@@ -2,7 +2,7 @@
 
 `resolve_model_dir` takes an HF directory, or exports a run's newest checkpoint to `export_dir(workdir)`,
 `<workdir>/serve_hf/<pid>/`, one per server process so two servers of one run never write the same files
-(delete them when done; runtime/run.py `export`, the same code as launchers/export.py); `build_engine`
+(delete them when done; runtime/export.py, the same code as launchers/export.py); `build_engine`
 lays the weights out on the rollout mesh and wraps a `RolloutEngine` in `JetStreamEngine`; `follow_run`
 swaps a run's newer checkpoints in while serving; `start` checks the port and runs `jetstream.core.server_lib.run` in
 interleaved mode (one engine prefills and generates). What can be checked before devices are touched is
@@ -125,9 +125,9 @@ def resolve_model_dir(model_dir: str | None, workdir: str | None) -> str:
     return model_dir
   if not os.path.isfile(os.path.join(workdir, "config.json")):
     raise FileNotFoundError(f"--workdir={workdir}: no config.json there (expected a run of launchers/train.py)")
-  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.export import export
   out = export_dir(workdir)
-  step = run.export(workdir, out)
+  step = export(workdir, out)
   print(f"serving the policy of step {step} of {workdir} (exported to {out})", flush=True)
   return out
 
@@ -153,7 +153,7 @@ def follow_run(js_engine, workdir: str, sc: ServeConfig, stop: threading.Event, 
   """Until `stop`: every `every_s` seconds, a newer checkpoint of `workdir` is exported and swapped into
   the served engine under its policy, with its step as the gen_id (a run serving its latest policy)."""
   from jaxrl_topo.models import hf_io
-  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.export import export
   from jaxrl_topo.topology.rules import ROLLOUT_RULES
 
   served = newest_step(workdir) if served_step is None else served_step
@@ -163,7 +163,7 @@ def follow_run(js_engine, workdir: str, sc: ServeConfig, stop: threading.Event, 
     if step is None or (served is not None and step <= served):
       continue
     out = export_dir(workdir)
-    run.export(workdir, out, step=step)
+    export(workdir, out, step=step)
     _, _, params = hf_io.load_model(out, mesh, ROLLOUT_RULES if mesh else None, dtype=sc.dtype)
     js_engine.swap_weights(params, gen_id=step)
     served = step
