@@ -78,11 +78,12 @@ def _serve_and_load(args, model: str, log) -> None:
   """Starts launchers/serve.py on `model`, warms it up, prints one row per client count, and stops it."""
   import jax
 
+  from jaxrl_topo import cli
   from jaxrl_topo.models import hf_io
-  from jaxrl_topo.serving import client, server
+  from jaxrl_topo.serving import client
 
   vocab = min(hf_io.read_config(model).vocab_size, 200)
-  port = args.port or server.free_port()
+  port = args.port or cli.free_port()
   cmd = [sys.executable, os.path.join(ROOT, "launchers", "serve.py"), f"--model={model}", f"--port={port}",
          f"--slots={args.slots}", f"--max_len={args.prompt_len + args.max_tokens + 32}",
          f"--max_new_tokens={args.max_tokens}"]
