@@ -16,13 +16,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from subproc import SESSION_CACHE  # noqa: E402
 
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")  # fp32 parity tests mean fp32
 
 
-_CACHE_ENV = "JAXRL_TEST_XLA_CACHE"
+_CACHE_ENV = SESSION_CACHE  # children started through subproc.cpu_env share it
 _OWNED_CACHE = pytest.StashKey[str]()
 
 
