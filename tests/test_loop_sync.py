@@ -134,6 +134,23 @@ def test_sync_config_is_validated():
   assert _cfg(**{"sync.bucket_mib": 2}).sync.bucket_bytes == 2 * 2**20
 
 
+def test_a_route_that_cannot_move_the_meshes_names_its_config_key():
+  """4 trainer shards cannot be resharded on a 2-device rollout (route=destination): the error says sync.route."""
+  from types import SimpleNamespace
+
+  from jaxrl_topo.runtime.sync import WeightSync
+  src = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  dst = jax.sharding.Mesh(np.array(jax.devices()[4:6]), ("data",))
+  w = jax.device_put(np.zeros((8, 4), np.float32), jax.sharding.NamedSharding(src, jax.sharding.PartitionSpec("fsdp")))
+  state = SimpleNamespace(params={"policy": {"w": w}}, frozen=None)
+  dst_sharding = {"w": jax.sharding.NamedSharding(dst, jax.sharding.PartitionSpec())}
+  cfg = _cfg(**{"sync.route": "destination"})
+  with pytest.raises(ValueError, match=r"^sync.route='destination': route='destination' cannot move 4 source shards"):
+    WeightSync(cfg, state, dst_sharding, np.float32, dst)
+  cfg = _cfg(**{"sync.route": "auto"})
+  assert {leaf.route for leaf in WeightSync(cfg, state, dst_sharding, np.float32, dst).plan.leaves} == {"source"}
+
+
 def test_delta_sync_while_an_update_waits_to_swap_reuses_the_pending_weights(tmp_path):
   """Found by a helper's review. In a continuous stream the next sync can come before the engine swapped in the
   last one. The plan compares against the weights it sent last (the pending ones) but reused the engine's

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxrl_topo.rollout.engine import RolloutEngine
 from jaxrl_topo.runtime.experiment import Experiment
-from jaxrl_topo.runtime.rollout_side import Feed, Trajectories, _devices, evaluate, evaluate_metrics, rollout, span
+from jaxrl_topo.runtime.rollout_side import Feed, Trajectories, _devices, evaluate_metrics, rollout, span
 from jaxrl_topo.runtime.watch import ChunkClock, StepWatch, WallClock
 from jaxrl_topo.topology import hostcomm
 from jaxrl_topo.topology.hostcomm import to_host
@@ -50,7 +50,7 @@ from jaxrl_topo.topology.rules import TRAIN_RULES
 from jaxrl_topo.train.batch import Completion, TrainBatch, balance_groups, build_batch, plan_rows
 from jaxrl_topo.train.step import batch_sharding_for, check_batch, with_logprobs
 
-__all__ = ["LoopHooks", "Trajectories", "evaluate", "make_batch", "restored_weights", "rollout", "sync_weights",
+__all__ = ["LoopHooks", "Trajectories", "make_batch", "restored_weights", "rollout", "sync_weights",
            "train_loop"]
 
 

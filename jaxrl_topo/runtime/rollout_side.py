@@ -310,11 +310,6 @@ class Feed:
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate(exp: Experiment, tag: int = 0) -> float:
-  """Held-out accuracy (0..1): the main reward function's mean score, one greedy sample per prompt."""
-  return evaluate_metrics(exp, tag)["eval/accuracy"]
-
-
 def evaluate_metrics(exp: Experiment, tag: int = 0) -> dict:
   """{"eval/accuracy": held-out accuracy}: the main reward's mean over `run.eval_samples` samples a prompt (greedy:
   one); with more than one, eval/pass@k too (eval_scores). With an environment the episodes' returns are the

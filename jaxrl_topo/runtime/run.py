@@ -139,7 +139,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       _record(cfg, workdir)
     if before is None:
       before = evaluate_metrics(exp, tag=0)
-      if latest is None and cfg.run.sft_steps:  # checkpoint 0: a relaunch killed before checkpoint 1 keeps the warm-up
+      if latest is None and cfg.run.sft_steps:  # checkpoint 0: a run killed before its first RL checkpoint
+        # (once the accuracy before RL is measured) keeps its warm-up on relaunch
         _save(ckpt, cfg, exp, 0, exp.prompts.get_state(), before, [])
     logging.info("held-out accuracy before RL: %.3f", before[EVAL_ACCURACY])
     # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
