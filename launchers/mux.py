@@ -101,9 +101,10 @@ def _run_group(group, workdir: str, specs) -> None:
   writers = {}
 
   def hooks_for(jid, exp):  # each job's metrics.jsonl and spans.jsonl, as a solo run writes them
-    cfg, start = group.jobs[jid].spec.cfg, group.jobs[jid].start
+    job = group.jobs[jid]
+    cfg, start = job.spec.cfg, job.start
     writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False,
-                                 start_step=start, resume=start > 0)
+                                 start_step=start - (job.lost is not None), resume=start > 0)
     hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), start)  # the group checkpoints
     return hooks
 

@@ -290,9 +290,10 @@ def test_park_and_unpark_round_trip_exactly():
 
 @pytest.mark.slow
 def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_uninterrupted_group(tmp_path, solo):
-  """Both jobs checkpoint each step; both break after step 1 (as a killed group would stop); the group run
-  again on the same workdir resumes each from its step-2 checkpoint, and its last step equals the solo
-  (= uninterrupted group, test above) step 2 bit for bit."""
+  """Both jobs checkpoint each step; both break after step 1's checkpoint, before its line is logged (as a group
+  killed there would stop); the group run again on the same workdir resumes each from its step-2 checkpoint, logs
+  step 1's line from it first (job a's with its held-out evaluation, due after step 1, run again in its rollout
+  turn), and both lines equal the solo (= uninterrupted group, test above) steps 1 and 2 bit for bit."""
   def make(hooks_for=None):
     specs = [JobSpec(j, job_cfg(j, **{"run.checkpoint_every": 1}), str(tmp_path / j)) for j in "ab"]
     group = Group(specs, MuxConfig(migrate_at=0.5), str(tmp_path), checkpoints=True)
@@ -314,9 +315,10 @@ def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_unint
   first_spans = read_spans(str(tmp_path / MUX_SPANS))
   group, again = make()
   for jid in "ab":
-    assert again[jid]["ok"] and again[jid]["resumed_from"] == 2, again
+    assert again[jid]["ok"] and again[jid]["resumed_from"] == 2 and again[jid]["steps"] == 1, again
     got = comparable(group.jobs[jid].metrics)
-    assert [r["step"] for r in got] == [2] and got[0] == solo(jid)[2], f"job {jid}"
+    assert [r["step"] for r in got] == [1, 2] and got == solo(jid)[1:], f"job {jid}"
+  assert "eval/accuracy" in group.jobs["a"].metrics[0]
   # The group's timeline keeps the first session's spans of steps 0-1 and adds step 2's after them (before: the
   # second session's file held its own spans only).
   spans = read_spans(str(tmp_path / MUX_SPANS))

@@ -14,6 +14,7 @@ from subproc import cpu_env
 from jaxrl_topo.cli import UserError
 from jaxrl_topo.mux.jobs import check_job, mode_notice, parse_job, split_overrides
 from jaxrl_topo.mux.report import read_spans
+from jaxrl_topo.runtime.metrics import comparable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -251,8 +252,13 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   assert {s["job"] for s in spans} == {"0-grpo_task", "1-dapo"}
   assert (tmp_path / "mux_timeline.png").stat().st_size > 0
   # The same command again: the finished job keeps its figures (before: mux_summary.json said 0 steps, this
-  # session's wall time); the failed one runs again (and fails again)
+  # session's wall time); the failed one runs again (and fails again). Its last line dropped, as a kill after the
+  # last checkpoint would leave the file: the job logs it again from that checkpoint, as it was.
+  lines = (tmp_path / "0-grpo_task" / "metrics.jsonl").read_text().splitlines(keepends=True)
+  (tmp_path / "0-grpo_task" / "metrics.jsonl").write_text("".join(lines[:-1]))
   again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  relogged = (tmp_path / "0-grpo_task" / "metrics.jsonl").read_text().splitlines(keepends=True)
+  assert comparable(map(json.loads, relogged)) == comparable(map(json.loads, lines)), relogged
   assert again.returncode == 0 and "0-grpo_task: already trained to step 3; nothing to do" in again.stdout, (
       again.stdout + again.stderr[-3000:])
   with open(tmp_path / "mux_summary.json") as f:

@@ -87,6 +87,8 @@ class _Job:
   compiled: dict = dataclasses.field(default_factory=dict)  # program -> cache size after the first cycle
   ckpt: object = None  # its Checkpointer (`<workdir>/checkpoints`), when the group checkpoints
   start: int = 0  # the step it resumes at (its newest checkpoint's), 0 for a fresh job
+  lost: dict | None = None  # step start - 1's metrics from its checkpoint, its line lost (resume.build_job)
+  landed: dict | None = None  # the last step's metrics as its weights landed (a checkpoint keeps them)
   tail: TailMigration | None = None  # its long-tail migration (and tail engine)
   rest: RolloutEngine | None = None  # its engine on the shards no tail uses (mux.resize), built with the group
   full: RolloutEngine | None = None  # its own engine while a rollout phase runs on `rest`
@@ -289,9 +291,13 @@ class Group:
                  **{k: v - self._t0 if v else None for k, v in at.items()}, **moved)
       extra.on_produced(step)
 
+    def on_landed(step: int, m: dict) -> None:
+      job.landed = dict(m)
+      extra.on_landed(step, m)
+
     def on_trained(step: int, traj) -> None:
       extra.on_trained(step, traj)
-      resume.save(job, step + 1, traj.data_state)  # while the state is on the train pool
+      resume.save(job, step + 1, traj.data_state, job.landed)  # while the state is on the train pool
       t = time.perf_counter()
       exp.state = warm.park(exp.state)
       end = time.perf_counter()
@@ -335,15 +341,15 @@ class Group:
       tail.on_chunk(engine)
       extra.on_chunk(engine)
 
-    return dataclasses.replace(extra, on_phase_start=on_phase_start, on_produced=on_produced, on_trained=on_trained,
-                               on_step=on_step, on_chunk=on_chunk, should_eval=should_eval)
+    return dataclasses.replace(extra, on_phase_start=on_phase_start, on_produced=on_produced, on_landed=on_landed,
+                               on_trained=on_trained, on_step=on_step, on_chunk=on_chunk, should_eval=should_eval)
 
   def _run_job(self, job: _Job, hooks: loop_lib.LoopHooks) -> None:
     jid, cfg = job.spec.job_id, job.spec.cfg
     failure = None
     try:
       with experiment_lib.matmul_precision(cfg):
-        loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks))
+        loop_lib.train_loop(job.exp, start_step=job.start, hooks=self._hooks(job, hooks), lost=job.lost)
     except Exception:  # noqa: BLE001  (isolation: reported with the job id)
       failure = traceback.format_exc()
     finally:
@@ -384,7 +390,8 @@ class Group:
     resume.write_spans(self.workdir, MUX_SPANS, self.spans)  # the same spans, in time order
     out = {}
     for jid, job in self.jobs.items():
-      out[jid] = {"ok": job.error is None, "steps": len(job.metrics), "error": job.error, "wall_s": wall,
+      trained = sum(r["step"] >= job.start for r in job.metrics)  # not a lost line logged again (job.lost)
+      out[jid] = {"ok": job.error is None, "steps": trained, "error": job.error, "wall_s": wall,
                   "resumed_from": job.start}
     self._close()
     return out

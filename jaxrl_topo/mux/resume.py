@@ -17,6 +17,7 @@ import threading
 
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime import run as run_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 
 
@@ -44,6 +45,10 @@ def build_job(job, checkpoints: bool) -> None:
   job.start = int(meta["step"])
   exp.prompts.set_state(meta["data_state"])  # after the last trained batch
   loop_lib.restored_weights(exp, job.start)  # a checkpoint 0 (a solo run's warm-up) too
+  # Killed after this checkpoint committed, before its step's line reached the job's metrics.jsonl: the job's loop
+  # logs that line first, from the checkpoint (its evaluation, where due, in the job's first rollout-pool turn)
+  if run_lib.lost_line(cfg, workdir, job.start, meta.get("landed")):
+    job.lost = run_lib.landed_metrics(meta["landed"])
 
 
 def close_checkpointer(job) -> None:
@@ -53,14 +58,15 @@ def close_checkpointer(job) -> None:
     ckpt.close()
 
 
-def save(job, done: int, data_state) -> None:
-  """Checkpoint after `done` steps when due (every run.checkpoint_every, and the last); committed on return."""
+def save(job, done: int, data_state, landed: dict | None) -> None:
+  """Checkpoint after `done` steps when due (every run.checkpoint_every, and the last); committed on return.
+  `landed`: step done - 1's metrics as they stood when its weights landed (its line is written later)."""
   cfg = job.spec.cfg
   every = cfg.run.checkpoint_every
   if job.ckpt is None or not (done == cfg.run.steps or (every and done % every == 0)):
     return
   meta = {"step": done, "gen_id": done, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
-          "accuracy_before": None, "in_flight": []}
+          "accuracy_before": None, "in_flight": [], "landed": run_lib.landed_meta(landed)}
   job.ckpt.save(done, job.exp.state, meta)
   job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
 

@@ -152,6 +152,9 @@ class LoopHooks:
   on_chunk: Callable[[RolloutEngine], None] = _no_chunk_hook  # between decode chunks (mux: tail migration)
 
 
+_RESTORED = "_restored"  # a deferred line that train_loop's `lost` brought back
+
+
 def needs_chunk_boundaries(mode: str, hooks: LoopHooks) -> bool:
   """Whether the loop's between-chunk hook must run at every decode chunk's end (else the engine may grow
   chunks, EngineConfig.max_chunk): yes wherever weights land or batches join between chunks (disaggregated,
@@ -175,9 +178,11 @@ def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int
 
 
 def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None = None,
-               in_flight: list[Trajectories] = ()) -> dict:
+               in_flight: list[Trajectories] = (), lost: dict | None = None) -> dict:
   """Runs steps [start_step, run.steps); returns the last step's metrics. `in_flight`: batches start_step,
-  start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume)."""
+  start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume). `lost`:
+  step start_step - 1's metrics as its checkpoint kept them (on_landed's), its line never written (a kill after
+  the checkpoint): it goes to on_step first, evaluated first where due, on the restored weights it evaluated."""
   hooks = hooks or LoopHooks()
   cfg = exp.cfg
   mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps
@@ -191,6 +196,8 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   trainer_devices, rollout_devices = _devices(exp.topology.trainer), _devices(exp.topology.rollout)
   deferred: collections.deque[tuple[int, dict]] = collections.deque()
   chunks, wall = ChunkClock(exp.engine), WallClock()
+  if lost is not None:  # no wall-clock figures: the step's time went with the process that ran it
+    deferred.append((start_step - 1, {**lost, _RESTORED: True}))
 
   def dispatch(traj: Trajectories) -> _InFlight:
     nonlocal checked
@@ -246,7 +253,8 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     nonlocal last
     while deferred:
       step, m = deferred.popleft()
-      m.update(wall.step(m["perf/tokens"]))  # wall-clock figures: seconds since the last step, eval excluded
+      if not m.pop(_RESTORED, False):
+        m.update(wall.step(m["perf/tokens"]))  # wall-clock figures: seconds since the last step, eval excluded
       if hooks.should_eval(step + 1):
         if feed is not None:
           feed.drain()  # the evaluation needs every slot: the batches added so far finish first
@@ -281,6 +289,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   feed = Feed(exp, produced, tick, hooks.on_span) if cfg.continuous_rollout else None
   failed = True
   try:
+    drain()  # a lost line, before anything else runs
     while version < steps:
       if pending is None and ready:
         pending = dispatch(ready.popleft())

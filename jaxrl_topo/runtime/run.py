@@ -145,21 +145,15 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
     logging.info("held-out accuracy before RL: %.3f", before[EVAL_ACCURACY])
     # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
     # from the checkpoint, with its evaluation run on the restored weights (the ones it evaluated).
-    lost = hostcomm.broadcast(_main() and landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start))
-                              and not _has_line(workdir, start - 1), src=0)
+    lost = hostcomm.broadcast(_main() and lost_line(cfg, workdir, start, landed), src=0)
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
                             start_step=start - lost, resume=start > 0) if _main() else None)
     if lost:
-      lags = landed["lags"]  # {lag: tokens}: the staleness histogram's counts
-      m = {**landed["metrics"], "_lags": None if lags is None else [int(k) for k, n in lags.items() for _ in range(n)]}
-      if _should_eval(cfg, start):
-        m["eval/version"] = exp.engine.gen_id
-        m.update(evaluate_metrics(exp, tag=start))
       logging.info("step %d's metrics line was lost (a kill after its checkpoint): logged from the checkpoint",
                    start - 1)
-      _log_step(cfg, writer, start - 1, m)
     hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced})
-    last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced)
+    last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced,
+                               lost=landed_metrics(landed) if lost else None)
     after = evaluate_metrics(exp, tag=cfg.run.steps)
     if cfg.run.steps > start:
       _save(ckpt, cfg, exp, cfg.run.steps, seen["data_state"], before, [])
@@ -218,7 +212,7 @@ def _save(ckpt: Checkpointer | None, cfg: RunConfig, exp, step: int, data_state,
   ckpt.save(step, exp.state, meta)
 
 
-def _landed_meta(m: dict | None) -> dict | None:
+def landed_meta(m: dict | None) -> dict | None:
   """A landed step's metrics as a checkpoint's meta keeps them: the JSON-able metrics, and each token's lag
   (`_lags`, one a token) as tokens per lag."""
   if m is None:
@@ -227,6 +221,17 @@ def _landed_meta(m: dict | None) -> dict | None:
   counts = None if lags is None else collections.Counter(map(int, lags))
   return {"metrics": jsonable({k: v for k, v in m.items() if not k.startswith("_")}),
           "lags": None if counts is None else {str(k): n for k, n in counts.items()}}
+
+
+def landed_metrics(landed: dict) -> dict:
+  """A checkpoint's `landed` meta (landed_meta) back as the loop's metrics: each token's lag as `_lags`."""
+  lags = landed["lags"]  # {lag: tokens}: the staleness histogram's counts
+  return {**landed["metrics"], "_lags": None if lags is None else [int(k) for k, n in lags.items() for _ in range(n)]}
+
+
+def lost_line(cfg: RunConfig, workdir: str, start: int, landed: dict | None) -> bool:
+  """Whether step start - 1's line should be in `workdir`'s metrics.jsonl, is not, and its checkpoint kept it."""
+  return landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start)) and not _has_line(workdir, start - 1)
 
 
 def _should_eval(cfg: RunConfig, done: int) -> bool:
@@ -261,7 +266,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
     seen["in_flight"] = trajs
 
   def on_landed(step: int, m: dict) -> None:
-    seen["landed"] = dict(m)  # made a checkpoint's meta only when one is saved (_landed_meta)
+    seen["landed"] = dict(m)  # made a checkpoint's meta only when one is saved (landed_meta)
 
   def on_trained(step: int, traj: loop_lib.Trajectories) -> None:
     done = step + 1
@@ -270,7 +275,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       jax.profiler.stop_trace()  # view <workdir>/profile in Perfetto or TensorBoard's profile plugin
     _kill_point("trained", done)
     if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
-      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"], _landed_meta(seen["landed"]))
+      _save(ckpt, cfg, exp, done, traj.data_state, before, seen["in_flight"], landed_meta(seen["landed"]))
       _kill_point("saving", done)
       _kill_point("saved", done, ckpt.wait if ckpt else None)  # committed; step `step`'s line not yet written
 
