@@ -105,7 +105,8 @@ def _run_group(group, workdir: str, specs) -> None:
     cfg, start = job.spec.cfg, job.start
     writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False,
                                  start_step=start - (job.lost is not None), resume=start > 0)
-    hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), start)  # the group checkpoints
+    hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), start,  # the group checkpoints
+                          lost=job.lost is not None)
     return hooks
 
   def exp_dir(jid):

@@ -319,12 +319,15 @@ def test_a_group_run_again_on_its_workdir_resumes_every_job_and_matches_an_unint
     got = comparable(group.jobs[jid].metrics)
     assert [r["step"] for r in got] == [1, 2] and got == solo(jid)[1:], f"job {jid}"
   assert "eval/accuracy" in group.jobs["a"].metrics[0]
+  history = group.rollout_pool.history  # the redone evaluation is job a's first phase, in the turn of its rollout
+  assert history[history.index("a:eval") + 1] == "a" and "a" not in history[:history.index("a:eval")], history
   # The group's timeline keeps the first session's spans of steps 0-1 and adds step 2's after them (before: the
   # second session's file held its own spans only).
   spans = read_spans(str(tmp_path / MUX_SPANS))
-  kept = [s for s in first_spans if s["step"] < 2]
+  kept = [s for s in first_spans if s["step"] < 2 and (s["job"], s["phase"], s["step"]) != ("a", "eval", 1)]
   assert spans[: len(kept)] == sorted(kept, key=lambda s: s["start"])
   assert {(s["job"], s["step"]) for s in spans if s["phase"] == "train"} == {(j, k) for j in "ab" for k in range(3)}
+  assert [(s["job"], s["step"]) for s in spans if s["phase"] == "eval"] == [("a", 1)]  # the first session's is dropped
   assert min(s["start"] for s in spans[len(kept):]) >= max(s["end"] for s in kept)
 
 

@@ -368,7 +368,8 @@ class Group:
     if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
     # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.
-    self.spans[:0] = resume.earlier_spans(self.workdir, MUX_SPANS, {jid: job.start for jid, job in self.jobs.items()})
+    self.spans[:0] = resume.earlier_spans(self.workdir, MUX_SPANS, {jid: job.start for jid, job in self.jobs.items()},
+                                          {jid for jid, job in self.jobs.items() if job.lost is not None})
     self._t0 = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
     resume.write_spans(self.workdir, MUX_SPANS, self.spans)
     self._spans_file = open(os.path.join(self.workdir, MUX_SPANS), "a")  # noqa: SIM115 (closed after the jobs)

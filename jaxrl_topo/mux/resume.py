@@ -46,7 +46,8 @@ def build_job(job, checkpoints: bool) -> None:
   exp.prompts.set_state(meta["data_state"])  # after the last trained batch
   loop_lib.restored_weights(exp, job.start)  # a checkpoint 0 (a solo run's warm-up) too
   # Killed after this checkpoint committed, before its step's line reached the job's metrics.jsonl: the job's loop
-  # logs that line first, from the checkpoint (its evaluation, where due, in the job's first rollout-pool turn)
+  # logs that line first, from the checkpoint (its evaluation, where due, in the job's first rollout-pool turn).
+  # Only launchers/mux.py writes that file: a group run without it logs the line again on every resume.
   if run_lib.lost_line(cfg, workdir, job.start, meta.get("landed")):
     job.lost = run_lib.landed_metrics(meta["landed"])
 
@@ -96,15 +97,15 @@ def noting_interrupts(flag: threading.Event):
     signal.signal(signal.SIGINT, previous)
 
 
-def earlier_spans(workdir: str, name: str, starts: dict[str, int]) -> list[dict]:
+def earlier_spans(workdir: str, name: str, starts: dict[str, int], lost: set[str]) -> list[dict]:
   """The spans in the group's spans file `name` of steps each job resumes past (`starts`: job id -> the step it
-  resumes at; none for a job started over)."""
+  resumes at; none for a job started over), less the evaluation a job in `lost` runs again (run.kept_span)."""
   path = os.path.join(workdir, name)
   if not any(starts.values()) or not os.path.isfile(path):
     return []
   from jaxrl_topo.mux.report import read_spans  # noqa: PLC0415 (the report's plotting stays out of the group)
 
-  return [r for r in read_spans(path) if r["step"] < starts.get(r["job"], 0)]
+  return [r for r in read_spans(path) if run_lib.kept_span(r, starts.get(r["job"], 0), r["job"] in lost)]
 
 
 def write_spans(workdir: str, name: str, spans: list[dict]) -> None:

@@ -139,7 +139,7 @@ class LoopHooks:
   on_step: Callable[[int, dict], None] = lambda step, metrics: None
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
   # Right before on_trained: the step's metrics as they stand when its weights land (its evaluation and wall-clock
-  # figures come later, in on_step), so a checkpoint taken in on_trained can keep them (run.py)
+  # figures come later, in on_step), so a checkpoint taken in on_trained can keep them (run.py, mux/resume.py)
   on_landed: Callable[[int, dict], None] = lambda step, metrics: None
   # Right before each on_trained: the batches produced but not trained yet (exact resume saves them).
   in_flight: Callable[[list[Trajectories]], None] = lambda trajs: None
@@ -182,7 +182,8 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   """Runs steps [start_step, run.steps); returns the last step's metrics. `in_flight`: batches start_step,
   start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume). `lost`:
   step start_step - 1's metrics as its checkpoint kept them (on_landed's), its line never written (a kill after
-  the checkpoint): it goes to on_step first, evaluated first where due, on the restored weights it evaluated."""
+  the checkpoint): it goes to on_step first, evaluated first where due, on the restored weights (in async mode the
+  lost evaluation may have read a later version)."""
   hooks = hooks or LoopHooks()
   cfg = exp.cfg
   mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps

@@ -143,15 +143,17 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
         # (once the accuracy before RL is measured) keeps its warm-up on relaunch
         _save(ckpt, cfg, exp, 0, exp.prompts.get_state(), before, [])
     logging.info("held-out accuracy before RL: %.3f", before[EVAL_ACCURACY])
-    # Killed after a checkpoint committed but before its step's line was written: that line is logged now,
-    # from the checkpoint, with its evaluation run on the restored weights (the ones it evaluated).
+    # Killed after a checkpoint committed but before its step's line was written: train_loop logs that line first,
+    # from the checkpoint, its evaluation (where due) run on the restored weights (in async mode the lost one may
+    # have read a later version).
     lost = hostcomm.broadcast(_main() and lost_line(cfg, workdir, start, landed), src=0)
     writer = (MetricsWriter(workdir, total_steps=cfg.run.steps, tensorboard=cfg.run.tensorboard, progress=progress,
                             start_step=start - lost, resume=start > 0) if _main() else None)
     if lost:
-      logging.info("step %d's metrics line was lost (a kill after its checkpoint): logged from the checkpoint",
-                   start - 1)
-    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced})
+      logging.info("step %d's metrics line was lost (a kill after its checkpoint): it is logged again from the "
+                   "checkpoint", start - 1)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced},
+                         lost=lost)
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced,
                                lost=landed_metrics(landed) if lost else None)
     after = evaluate_metrics(exp, tag=cfg.run.steps)
@@ -234,6 +236,12 @@ def lost_line(cfg: RunConfig, workdir: str, start: int, landed: dict | None) -> 
   return landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start)) and not _has_line(workdir, start - 1)
 
 
+def kept_span(r: dict, start: int, lost: bool) -> bool:
+  """Whether a run resumed at `start` keeps an earlier session's span `r`: one of a step it does not redo, except
+  the evaluation after step start - 1 when that step's line was `lost` (train_loop runs that evaluation again)."""
+  return r["step"] < start and not (lost and r["phase"] == "eval" and r["step"] == start - 1)
+
+
 def _should_eval(cfg: RunConfig, done: int) -> bool:
   return bool(cfg.run.eval_every) and done % cfg.run.eval_every == 0 and done < cfg.run.steps
 
@@ -257,9 +265,10 @@ def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) 
 
 
 def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict | None,
-           workdir: str, start: int = 0, restored: set[int] = frozenset()):
+           workdir: str, start: int = 0, restored: set[int] = frozenset(), lost: bool = False):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
-  steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone)."""
+  steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone). `lost`:
+  step start - 1's line is logged again (train_loop's `lost`), its evaluation redone."""
   seen = {"data_state": None, "in_flight": [], "landed": None}
 
   def in_flight(trajs: list) -> None:
@@ -288,7 +297,7 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
       jax.profiler.start_trace(os.path.join(workdir, "profile"))
 
   spans_path = os.path.join(workdir, SPANS_FILE)
-  kept = [r for r in read_spans(workdir) if r["step"] < start or (r["step"] in restored and r["phase"] in (
+  kept = [r for r in read_spans(workdir) if kept_span(r, start, lost) or (r["step"] in restored and r["phase"] in (
       "rollout", "reward"))] if start else []
   if _main():  # one line per span; a resumed run keeps the spans of the steps it does not redo
     with open(spans_path, "w") as f:
