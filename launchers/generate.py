@@ -44,6 +44,9 @@ _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollou
 _STOP = flags.DEFINE_multi_string("stop", [], r"Stop string (repeatable): a completion ends right after it. "
                                   r"\n, \t and \\ in it are a newline, a tab and a backslash (--stop='\n').")
 _READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
+_PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page: the engine's pool is allocated in pages of this "
+                             "many (larger pages: fewer gathers a step, more tokens unused at each sequence's end).")
+_CHUNK = flags.DEFINE_integer("decode_chunk", 8, "Decode steps per device call (between host reads of the tokens).")
 _ENGINE = cli.define_engine_flags()
 
 
@@ -57,6 +60,9 @@ def check_flags() -> SamplingConfig:
   if _MAX_NEW.value < 1:
     raise ValueError(f"--max_new_tokens={_MAX_NEW.value} must be >= 1")
   generate.check_sizes(_BATCH.value, _DATA.value, _TENSOR.value, name=lambda n: f"--{n}")
+  for flag in (_PAGE, _CHUNK):
+    if flag.value < 1:
+      raise ValueError(f"--{flag.name}={flag.value} must be >= 1")
   if "" in _stops():  # the empty string is in every text: each completion would end at its first token
     raise ValueError("--stop='' is empty: a stop string must be non-empty (an unset shell variable?)")
   if _GREEDY.value:  # as --help says: the sampling flags are ignored
@@ -102,13 +108,14 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  engine = generate.engine_knobs(_ENGINE())  # a bad value fails here, first
+  engine = generate.engine_knobs({**_ENGINE(), "decode_chunk": _CHUNK.value})  # a bad value fails here, first
   sampling = check_flags()
   check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                       seed=_SEED.value, chat=_CHAT.value, batch_size=_BATCH.value, dtype=_DTYPE.value,
-                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine, stop=_stops())
+                      data=_DATA.value, tensor=_TENSOR.value, read=_READ.value, engine=engine, stop=_stops(),
+                      page_size=_PAGE.value)
   stops = sum(r["finish_reason"] == "stop" for r in rows)
   print(f"wrote {len(rows)} completion{'' if len(rows) == 1 else 's'} to {_OUT.value} ({stops} stopped, "
         f"{len(rows) - stops} hit the length limit)")

@@ -31,6 +31,7 @@ _SLOTS = flags.DEFINE_integer("slots", 16, "Concurrent sequences (JetStream's ma
 _MAX_LEN = flags.DEFINE_integer("max_len", 512, "Prompt + completion tokens per sequence (within the model's limit).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Cap per request; a request's max_tokens cuts earlier.")
 _CHUNK = flags.DEFINE_integer("decode_chunk", 8, "Decode steps per device call.")
+_PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page (--max_len is rounded down to a whole page).")
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh (splits the slots).")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
@@ -55,7 +56,8 @@ def main(argv: Sequence[str]) -> None:
 
   server.require_jetstream()
   sc = server.ServeConfig(slots=_SLOTS.value, max_len=_MAX_LEN.value, max_new_tokens=_MAX_NEW.value,
-                          decode_chunk=_CHUNK.value, data=_DATA.value, tensor=_TENSOR.value, dtype=_DTYPE.value,
+                          decode_chunk=_CHUNK.value, page_size=_PAGE.value, data=_DATA.value, tensor=_TENSOR.value,
+                          dtype=_DTYPE.value,
                           greedy=_GREEDY.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
                           min_p=_MIN_P.value, seed=_SEED.value, policy=_POLICY.value,
                           read=_READ.value, engine=_ENGINE())

@@ -142,14 +142,17 @@ def test_generate_command_end_to_end(tiny_dir, tmp_path, monkeypatch):
   alone = generate.run(tiny_dir, str(tmp_path / "one.jsonl"), str(tmp_path / "o1.jsonl"), max_new_tokens=6,
                        chat=True, batch_size=2)
   assert alone[0]["completion_ids"] == rows[1]["completion_ids"]
-  # The engine's window read (generate.run(read=...), the launcher's --read) and its other knobs (engine=..., the
-  # launcher's --kv_dtype, --min_pack_rows, --min_window_tokens): the same tokens, log-probs to 1e-5.
+  # The engine's window read (generate.run(read=...), the launcher's --read), its page size (--page_size) and its
+  # other knobs (engine=..., the launcher's --kv_dtype, --min_pack_rows, --min_window_tokens, --decode_chunk): the
+  # same tokens, log-probs to 1e-5.
   seen, engine = [], generate.RolloutEngine
   monkeypatch.setattr(generate, "RolloutEngine", lambda *a, **k: seen.append(a[3]) or engine(*a, **k))
   window = generate.run(tiny_dir, str(prompts), str(tmp_path / "w.jsonl"), max_new_tokens=6, chat=True, batch_size=2,
-                        read="window", engine={"kv_dtype": "float32", "min_pack_rows": 4, "min_window_tokens": 32})
+                        read="window", page_size=8, engine={"kv_dtype": "float32", "min_pack_rows": 4,
+                                                           "min_window_tokens": 32, "decode_chunk": 4})
   # what reached the engine (its tokens alone would not show it)
-  assert [(e.impl, e.kv_dtype, e.min_pack_rows, e.min_window_tokens) for e in seen] == [("window", "float32", 4, 32)]
+  assert [(e.impl, e.kv_dtype, e.min_pack_rows, e.min_window_tokens, e.page_size, e.decode_chunk) for e in seen] == [
+      ("window", "float32", 4, 32, 8, 4)]
   assert [r["completion_ids"] for r in window] == [r["completion_ids"] for r in rows]
   np.testing.assert_allclose(sum((r["logprobs"] for r in window), []), sum((r["logprobs"] for r in rows), []),
                              atol=1e-5)

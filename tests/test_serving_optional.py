@@ -45,3 +45,5 @@ def test_serve_configs_sampling_is_checked_without_the_extra():
   assert ServeConfig(top_k=5).sampling == SamplingConfig(greedy=True)  # greedy ignores them
   with pytest.raises(ValueError, match="top_p must be in"):
     ServeConfig(greedy=False, top_p=0.0)
+  with pytest.raises(ValueError, match="page_size=64 must be <= max_len=32"):  # serve.py's --page_size
+    ServeConfig(page_size=64, max_len=32)

@@ -186,10 +186,13 @@ def _generate_paged(cfg, graphdef, params, prompts, decode: DecodeConfig, *, see
 def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int = 64,
         sampling: SamplingConfig = SamplingConfig(greedy=True), seed: int = 0, chat: bool = False,
         batch_size: int = 8, dtype: str = "float32", data: int = 1, tensor: int = 1, read: str = "auto",
-        engine: Mapping[str, Any] | None = None, stop: Sequence[str] = ()) -> list[dict]:
+        engine: Mapping[str, Any] | None = None, stop: Sequence[str] = (), page_size: int = 16) -> list[dict]:
   """Reads prompts, generates, writes `out_path`; returns the written rows. `engine`: EngineConfig knobs by name;
-  `stop`: stop strings, each completion ending right after the first it holds (generate_ids)."""
+  `stop`: stop strings, each completion ending right after the first it holds (generate_ids); `page_size`: tokens
+  per KV page."""
   engine = engine_knobs(engine)
+  if page_size < 1:
+    raise ValueError(f"page_size={page_size} must be >= 1")
   check_sizes(batch_size, data, tensor)
   check_out_file(out_path, "out_path")
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
@@ -204,7 +207,7 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
                len(prompts), eos)
   decode = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=tuple(eos), pad_id=pad)
   completions = generate_ids(graphdef, params, prompts, decode, seed=seed, batch_size=batch_size,
-                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read,
+                             vocab_size=cfg.vocab_size, mesh=mesh, progress=True, read=read, page_size=page_size,
                              engine=engine, stop_strings=stop, detokenize=tokenizer.decode if stop else None)
   rows = [dict(completion_ids=c.completion_ids, text=tokenizer.decode(c.completion_ids) if tokenizer else None,
                logprobs=c.logprobs, finish_reason=c.finish_reason) for c in completions]

@@ -101,6 +101,8 @@ class ServeConfig:
     for name in ("slots", "max_len", "max_new_tokens", "page_size", "decode_chunk", "data", "tensor"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.page_size > self.max_len:  # max_len is rounded down to whole pages: none would be left
+      raise ValueError(f"page_size={self.page_size} must be <= max_len={self.max_len}")
     if self.read not in ("auto", *IMPLS):
       raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
     if self.slots % self.data:
