@@ -120,10 +120,7 @@ def _run_group(group, workdir: str, specs) -> None:
   if os.path.isfile(path):
     with open(path) as f:
       earlier = json.load(f).get("jobs", {})
-  finished = {jid for jid, r in results.items()  # nothing left to train: the figures of the session that trained it
-              if r["ok"] and not r["steps"] and r["resumed_from"] >= group.jobs[jid].spec.cfg.run.steps}
-  for jid in finished & set(earlier):
-    results[jid] = {**earlier[jid], "resumed_from": results[jid]["resumed_from"]}
+  finished = kept_results(results, earlier, {jid: job.spec.cfg.run.steps for jid, job in group.jobs.items()})
   summary = {"jobs": results}
   if group.spans:
     summary["busy_fraction"] = report.busy_fractions(group.spans)
@@ -139,6 +136,18 @@ def _run_group(group, workdir: str, specs) -> None:
     print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))
   if not any(r["ok"] for r in results.values()):
     raise cli.UserError("every job failed")
+
+
+def kept_results(results: dict, earlier: dict, steps: dict) -> set[str]:
+  """The jobs this session found with nothing left to train (their `steps` reached); each takes, in `results`, the
+  figures `earlier` (the last mux_summary.json's jobs) holds for it, where that session trained it to its end (not
+  one killed before: its figures would be an older session's)."""
+  finished = {jid for jid, r in results.items() if r["ok"] and not r["steps"] and r["resumed_from"] >= steps[jid]}
+  for jid in finished & set(earlier):
+    before = earlier[jid]
+    if before.get("ok") and before.get("steps", 0) + before.get("resumed_from", 0) >= steps[jid]:
+      results[jid] = {**before, "resumed_from": results[jid]["resumed_from"]}
+  return finished
 
 
 def other_job_folders(workdir: str, job_ids: Sequence[str]) -> list[str]:

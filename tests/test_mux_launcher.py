@@ -48,6 +48,23 @@ def test_job_folders_the_group_does_not_run_are_named(tmp_path):
   assert other_job_folders(str(tmp_path / "new"), ["0-dapo"]) == []
 
 
+def test_a_finished_job_keeps_the_figures_of_the_session_that_finished_it():
+  """A relaunch with nothing left to train reports the last mux_summary.json's figures for the job, but only where
+  that session trained it to its end: a group killed after the job's last checkpoint wrote no summary, and the one on
+  disk is an older session's (before: its figures were taken as the finished run's)."""
+  from launchers.mux import kept_results
+
+  now = lambda: {"a": {"ok": True, "steps": 0, "resumed_from": 4, "wall_s": 1.0},  # noqa: E731
+                 "b": {"ok": True, "steps": 2, "resumed_from": 2, "wall_s": 9.0}}
+  whole = {"ok": True, "steps": 2, "resumed_from": 2, "wall_s": 50.0}  # steps 2-3 trained then: that run's end
+  results = now()
+  assert kept_results(results, {"a": whole, "b": whole}, {"a": 4, "b": 4}) == {"a"}
+  assert results == {**now(), "a": {**whole, "resumed_from": 4}}  # b trained this session: its own figures
+  for older in ({**whole, "steps": 1}, {**whole, "ok": False}):  # killed before step 4, or failed: not its figures
+    results = now()
+    assert kept_results(results, {"a": older}, {"a": 4, "b": 4}) == {"a"} and results == now()
+
+
 def test_an_unknown_key_is_rejected_with_its_job_spec():
   with pytest.raises(UserError, match="rl.gruop_size"):
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)
