@@ -151,6 +151,22 @@ def test_a_route_that_cannot_move_the_meshes_names_its_config_key():
   assert {leaf.route for leaf in WeightSync(cfg, state, dst_sharding, np.float32, dst).plan.leaves} == {"source"}
 
 
+def test_a_route_that_changes_nothing_is_said(caplog):
+  """Both sides on the same devices (colocated): every leaf is resharded in place, whatever sync.route says."""
+  from types import SimpleNamespace
+
+  from jaxrl_topo.runtime.sync import WeightSync
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  w = jax.device_put(np.zeros((8, 4), np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+  state = SimpleNamespace(params={"policy": {"w": w}}, frozen=None)
+  dst_sharding = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())}
+  WeightSync(_cfg(**{"sync.route": "source"}), state, dst_sharding, np.float32, mesh)
+  assert "sync.route='source' changes nothing here" in caplog.text and "routes taken: local" in caplog.text
+  caplog.clear()
+  WeightSync(_cfg(), state, dst_sharding, np.float32, mesh)
+  assert "sync.route" not in caplog.text
+
+
 def test_delta_sync_while_an_update_waits_to_swap_reuses_the_pending_weights(tmp_path):
   """Found by a helper's review. In a continuous stream the next sync can come before the engine swapped in the
   last one. The plan compares against the weights it sent last (the pending ones) but reused the engine's

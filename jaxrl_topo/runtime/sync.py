@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import jax
+from absl import logging
 
 from jaxrl_topo.topology.transfer import TransferPlan, merge_on_destination, replicated
 from jaxrl_topo.train.lora import merge_lora
@@ -35,11 +36,16 @@ class WeightSync:
 
     def plan(*args, **kw) -> TransferPlan:
       try:
-        return TransferPlan.build(*args, bucket_bytes=bucket, route=route, **kw)
+        built = TransferPlan.build(*args, bucket_bytes=bucket, route=route, **kw)
       except ValueError as e:  # e.g. a route that cannot move these device counts: name the key that chose it
         if route == "auto":
           raise
         raise ValueError(f"sync.route={route!r}: {e}") from None
+      taken = sorted({leaf.route for leaf in built.leaves})
+      if route != "auto" and route not in taken:  # same devices on both sides, or processes bridged by collectives
+        logging.warning("sync.route=%r changes nothing here: no weight crosses between different devices of one "
+                        "process (the routes taken: %s)", route, ", ".join(taken))
+      return built
 
     if self.mode == "lora":
       self._base_plan = plan(state.frozen, rollout_shardings, dst_dtype=dst_dtype)
