@@ -3,7 +3,7 @@ r"""Generate completions for a JSONL file of prompts with a local Hugging Face m
   python launchers/generate.py --model=DIR --prompts=IN.jsonl --out=OUT.jsonl \
       [--max_new_tokens=64 --temperature=1.0 --top_p=1.0 --top_k=0 --min_p=0 --seed=0 --greedy --chat]
       [--stop="</answer>" --stop="\n\n"] [--read=window --kv_dtype=bfloat16 --min_pack_rows=2 --min_window_tokens=64]
-      [--pallas_splits=0]
+      [--pallas_splits=0 --page_size=16 --decode_chunk=8]
 
 Input lines: {"prompt": "text"} (chat template applied with --chat) or {"prompt_ids": [ints]}.
 Output lines, in input order: completion_ids, text, logprobs, finish_reason ("stop" | "length").
@@ -108,8 +108,8 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  engine = generate.engine_knobs({**_ENGINE(), "decode_chunk": _CHUNK.value})  # a bad value fails here, first
-  sampling = check_flags()
+  sampling = check_flags()  # flag values alone, first: a bad one is named as the flag
+  engine = generate.engine_knobs({**_ENGINE(), "decode_chunk": _CHUNK.value})
   check_inputs(_MODEL.value, _PROMPTS.value, _OUT.value, _MAX_NEW.value, _CHAT.value)
   logging.info("process %d/%d devices=%s", jax.process_index(), jax.process_count(), jax.devices())
   rows = generate.run(_MODEL.value, _PROMPTS.value, _OUT.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,

@@ -140,12 +140,14 @@ def _run_group(group, workdir: str, specs) -> None:
 
 def kept_results(results: dict, earlier: dict, steps: dict) -> set[str]:
   """The jobs this session found with nothing left to train (their `steps` reached); each takes, in `results`, the
-  figures `earlier` (the last mux_summary.json's jobs) holds for it, where that session trained it to its end (not
-  one killed before: its figures would be an older session's)."""
+  figures `earlier` (the last mux_summary.json's jobs) holds for it, where that session trained it to its end
+  (`trained_to`; not one killed before: its figures would be an older session's). Kept figures keep their
+  `trained_to`; `resumed_from` becomes this session's."""
   finished = {jid for jid, r in results.items() if r["ok"] and not r["steps"] and r["resumed_from"] >= steps[jid]}
   for jid in finished & set(earlier):
     before = earlier[jid]
-    if before.get("ok") and before.get("steps", 0) + before.get("resumed_from", 0) >= steps[jid]:
+    reached = before.get("trained_to", before.get("steps", 0) + before.get("resumed_from", 0))  # older summaries
+    if before.get("ok") and reached >= steps[jid]:
       results[jid] = {**before, "resumed_from": results[jid]["resumed_from"]}
   return finished
 

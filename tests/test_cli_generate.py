@@ -131,7 +131,7 @@ def test_non_positive_sizes_are_refused(tmp_path, model):
   from jaxrl_topo.rollout import generate
 
   p, out = _prompts(tmp_path / "in.jsonl", ["abc"]), tmp_path / "o.jsonl"
-  for flag in ("--data=0", "--max_new_tokens=0", "--page_size=0"):
+  for flag in ("--data=0", "--max_new_tokens=0", "--page_size=0", "--decode_chunk=0"):
     _one_line_error(_generate(model, p, out, flag), f"{flag} must be >= 1")
   # Before: accepted, and every completion ended at its first token ("" is in every text).
   _one_line_error(_generate(model, p, out, "--stop="), "--stop='' is empty")

@@ -63,6 +63,11 @@ def test_a_finished_job_keeps_the_figures_of_the_session_that_finished_it():
   for older in ({**whole, "steps": 1}, {**whole, "ok": False}):  # killed before step 4, or failed: not its figures
     results = now()
     assert kept_results(results, {"a": older}, {"a": 4, "b": 4}) == {"a"} and results == now()
+  # Kept once (nothing to do at 4), then run.steps raised to 8 and that session killed before its summary: the kept
+  # figures say they trained to 4, not 4 + 4
+  kept = {**whole, "resumed_from": 4, "trained_to": 4}
+  results = {"a": {"ok": True, "steps": 0, "resumed_from": 8}}
+  assert kept_results(results, {"a": kept}, {"a": 8}) == {"a"} and results["a"]["steps"] == 0
 
 
 def test_an_unknown_key_is_rejected_with_its_job_spec():

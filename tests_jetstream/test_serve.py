@@ -197,9 +197,10 @@ def test_the_engine_knobs_are_serve_config_keys(model_dir):
   """ServeConfig.engine (launchers/serve.py --kv_dtype, --min_pack_rows, --min_window_tokens) reaches the engine;
   what build_engine sets itself, or a bad value, is refused before anything loads."""
   knobs = {"kv_dtype": "bfloat16", "min_pack_rows": 4, "min_window_tokens": 32}
-  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, engine=knobs, greedy=False, top_k=5))
+  js_engine, _ = server.build_engine(model_dir, dataclasses.replace(SC, engine=knobs, greedy=False, top_k=5,
+                                                                    page_size=8))  # --page_size=8
   e = js_engine.engine
-  assert (e.ecfg.kv_dtype, e.ecfg.min_pack_rows, e.ecfg.min_window_tokens) == ("bfloat16", 4, 32)
+  assert (e.ecfg.kv_dtype, e.ecfg.min_pack_rows, e.ecfg.min_window_tokens, e.ecfg.page_size) == ("bfloat16", 4, 32, 8)
   assert (e.ecfg.sampling.greedy, e.ecfg.sampling.top_k) == (False, 5)  # --nogreedy --top_k=5
   assert e.state.cache.k_LPSKH.dtype == jnp.bfloat16 and e.cfg.dtype == "float32"
   hash(dataclasses.replace(SC, engine=knobs))  # a frozen config stays hashable
@@ -207,6 +208,8 @@ def test_the_engine_knobs_are_serve_config_keys(model_dir):
     server.ServeConfig(engine={"n_slots": 4})
   with pytest.raises(ValueError, match="min_pack_rows=1 must be >= 2"):
     server.ServeConfig(engine={"min_pack_rows": 1})
+  with pytest.raises(ValueError, match="page_size=1024 exceeds the model's position limit 512"):  # before the load
+    server.build_engine(model_dir, dataclasses.replace(SC, page_size=1024, max_len=2048))
 
 
 def test_launcher_errors_and_clean_shutdown(model_dir, tmp_path):

@@ -393,7 +393,7 @@ class Group:
     for jid, job in self.jobs.items():
       trained = sum(r["step"] >= job.start for r in job.metrics)  # not a lost line logged again (job.lost)
       out[jid] = {"ok": job.error is None, "steps": trained, "error": job.error, "wall_s": wall,
-                  "resumed_from": job.start}
+                  "resumed_from": job.start, "trained_to": job.start + trained}
     self._close()
     return out
 

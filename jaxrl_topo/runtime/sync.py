@@ -41,10 +41,6 @@ class WeightSync:
         if route == "auto":
           raise
         raise ValueError(f"sync.route={route!r}: {e}") from None
-      taken = sorted({leaf.route for leaf in built.leaves})
-      if route != "auto" and route not in taken:  # same devices on both sides, or processes bridged by collectives
-        logging.warning("sync.route=%r changes nothing here: no weight crosses between different devices of one "
-                        "process (the routes taken: %s)", route, ", ".join(taken))
       return built
 
     if self.mode == "lora":
@@ -52,9 +48,16 @@ class WeightSync:
       self.rebase(state)
       adapters = state.params["policy"]
       self.plan = plan(adapters, replicated(adapters, rollout_mesh), mode="lora")
+      plans = (self._base_plan, self.plan)
     else:
       self.base = None
       self.plan = plan(self.policy(state), rollout_shardings, dst_dtype=dst_dtype, mode=self.mode)
+      plans = (self.plan,)
+    taken = sorted({leaf.route for p in plans for leaf in p.leaves})
+    if route != "auto" and route not in taken and jax.process_index() == 0:
+      # same devices on both sides (colocated), or processes bridged by collectives: the key is not ignored unsaid
+      logging.warning("sync.route=%r changes nothing here: no weight crosses between different devices of one "
+                      "process (the routes taken: %s)", route, ", ".join(taken) or "none, no weights")
     self._adapters = None  # lora: the adapters on the rollout side (the old destination of the next sync)
 
   def rebase(self, state) -> None:
