@@ -152,9 +152,6 @@ class LoopHooks:
   on_chunk: Callable[[RolloutEngine], None] = _no_chunk_hook  # between decode chunks (mux: tail migration)
 
 
-_RESTORED = "_restored"  # a deferred line that train_loop's `lost` brought back
-
-
 def needs_chunk_boundaries(mode: str, hooks: LoopHooks) -> bool:
   """Whether the loop's between-chunk hook must run at every decode chunk's end (else the engine may grow
   chunks, EngineConfig.max_chunk): yes wherever weights land or batches join between chunks (disaggregated,
@@ -195,10 +192,10 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
   last: dict = {}
   checked = False
   trainer_devices, rollout_devices = _devices(exp.topology.trainer), _devices(exp.topology.rollout)
-  deferred: collections.deque[tuple[int, dict]] = collections.deque()
+  deferred: collections.deque[tuple[int, dict, bool]] = collections.deque()  # (step, metrics, restored)
   chunks, wall = ChunkClock(exp.engine), WallClock()
   if lost is not None:  # no wall-clock figures: the step's time went with the process that ran it
-    deferred.append((start_step - 1, {**lost, _RESTORED: True}))
+    deferred.append((start_step - 1, dict(lost), True))
 
   def dispatch(traj: Trajectories) -> _InFlight:
     nonlocal checked
@@ -248,13 +245,13 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     hooks.on_landed(flight.step, m)
     hooks.in_flight(list(ready))  # async: a batch being generated now is not among them (regenerated on resume)
     hooks.on_trained(flight.step, flight.traj)  # the state is exactly version step + 1 here (checkpoints)
-    deferred.append((flight.step, m))  # eval and logging wait until no engine.run is in progress
+    deferred.append((flight.step, m, False))  # eval and logging wait until no engine.run is in progress
 
   def drain() -> None:
     nonlocal last
     while deferred:
-      step, m = deferred.popleft()
-      if not m.pop(_RESTORED, False):
+      step, m, restored = deferred.popleft()
+      if not restored:
         m.update(wall.step(m["perf/tokens"]))  # wall-clock figures: seconds since the last step, eval excluded
       if hooks.should_eval(step + 1):
         if feed is not None:

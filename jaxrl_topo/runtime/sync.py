@@ -36,12 +36,11 @@ class WeightSync:
 
     def plan(*args, **kw) -> TransferPlan:
       try:
-        built = TransferPlan.build(*args, bucket_bytes=bucket, route=route, **kw)
+        return TransferPlan.build(*args, bucket_bytes=bucket, route=route, **kw)
       except ValueError as e:  # e.g. a route that cannot move these device counts: name the key that chose it
         if route == "auto":
           raise
         raise ValueError(f"sync.route={route!r}: {e}") from None
-      return built
 
     if self.mode == "lora":
       self._base_plan = plan(state.frozen, rollout_shardings, dst_dtype=dst_dtype)

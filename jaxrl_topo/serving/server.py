@@ -185,11 +185,12 @@ def build_engine(model_dir: str, sc: ServeConfig, *, gen_id: int = 0):
   if n > jax.device_count():
     raise ValueError(f"data={sc.data} x tensor={sc.tensor} needs {n} devices; this process sees {jax.device_count()}")
   mesh = make_mesh({"data": sc.data, "tensor": sc.tensor}, jax.devices()[:n]) if n > 1 else None
-  limit = hf_io.read_config(model_dir).max_position
+  cfg = hf_io.read_config(model_dir, dtype=sc.dtype)
+  limit = cfg.max_position
   if min(sc.max_len, limit) < sc.page_size:  # max_len is capped at the model's limit, then rounded down to pages
     raise ValueError(f"page_size={sc.page_size} exceeds the model's position limit {limit} "
                      "(max_position_embeddings): no whole page fits")
-  cfg, graphdef, params = hf_io.load_model(model_dir, mesh, ROLLOUT_RULES if mesh else None, dtype=sc.dtype)
+  graphdef, params = hf_io.load_params(model_dir, cfg, mesh, ROLLOUT_RULES if mesh else None)
   has_tok = os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
   tokenizer = Tokenizer.from_dir(model_dir) if has_tok else None
   eos = tuple(tokenizer.eos_token_ids if tokenizer else read_eos_token_ids(model_dir))
