@@ -312,7 +312,15 @@ def define_engine_flags() -> Callable[[], dict]:
                            f"(fewer programs to compile; default {EngineConfig.min_window_tokens}).", **where),
       flags.DEFINE_integer("pallas_splits", None, "--read=pallas (or auto on a GPU): programs each row's page walk "
                            "is divided over (flash-decoding; default: the kernel's, 1).", **where)]
-  return lambda: {f.name: f.value for f in defined if f.value is not None}
+
+  def given() -> dict:
+    from jaxrl_topo.rollout.engine_config import check_fields
+
+    values = {f.name: f.value for f in defined if f.value is not None}
+    check_fields(values, "--")  # EngineConfig's own checks, naming the flag: "--min_pack_rows=0 must be >= 2"
+    return values
+
+  return given
 
 
 def free_port() -> int:

@@ -78,6 +78,7 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
   from jaxrl_topo.data.pipeline import read_jsonl
   from jaxrl_topo.models import hf_io
   from jaxrl_topo.models.tokenizer import Tokenizer
+  from jaxrl_topo.runtime.workdir import check_not_a_runs_file
 
   if os.path.isdir(os.path.join(model_dir, "checkpoints")) or os.path.isfile(os.path.join(model_dir, "identity.json")):
     raise ValueError(f"--model={model_dir} is a training run's workdir, not a model directory: export its policy "
@@ -90,6 +91,12 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
     raise FileNotFoundError(f"--prompts={prompts_path}: no such file")
   if os.path.realpath(out_path) == os.path.realpath(prompts_path):
     raise ValueError(f"--out={out_path} is the --prompts file: writing it would destroy the input")
+  out_dir = os.path.dirname(os.path.abspath(out_path))
+  if os.path.realpath(out_dir) == os.path.realpath(model_dir) and os.path.exists(out_path) and not out_path.endswith(
+      ".jsonl"):  # before: written over, e.g. the model's config.json or weights
+    raise ValueError(f"--out={out_path} is a file of the --model directory: writing it would destroy the model; "
+                     "nothing was written. Name a new file (e.g. completions.jsonl)")
+  check_not_a_runs_file(out_path, "--out")
   generate.check_out_file(out_path)
   cfg = hf_io.read_config(model_dir)
   hf_io.tensor_files(model_dir)  # the weights' headers: a truncated file fails here, not after the tokenizer

@@ -65,13 +65,18 @@ def main(argv: Sequence[str]) -> None:
   if _PLAN.value:
     from jaxrl_topo.mux import placement
 
+    if not os.path.isfile(_PLAN.value):
+      raise cli.UserError(f"--plan={_PLAN.value}: no such file (a JSON-lines trace, one job per line)")
     print(placement.plan_file(_PLAN.value))
     return
   if not _JOB.value or not _WORKDIR.value:
     raise app.UsageError("give --job (one per job) and --workdir, or --plan=TRACE.jsonl")
-  from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, held
+  from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, held, model_files
 
   workdir = _WORKDIR.value
+  if model := model_files(workdir):
+    raise cli.UserError(f"--workdir {workdir} holds {', '.join(model)}: a model directory, not a group's; nothing was "
+                        "changed. Give the group its own directory (each job gets a folder inside it)")
   if has_run(workdir) or os.path.isfile(os.path.join(workdir, IDENTITY_FILE)) or os.path.isfile(
       os.path.join(workdir, CONFIG_FILE)):  # before: the group's folders and files went in beside the run's
     raise cli.UserError(f"--workdir {workdir} holds a run of launchers/train.py, not a group: give the group its own "
@@ -81,19 +86,28 @@ def main(argv: Sequence[str]) -> None:
   with contextlib.ExitStack() as locks:  # one process at a time: on the group, and on each job's folder (train.py too)
     for d in (workdir, *(s.workdir for s in specs)):
       locks.enter_context(held(d))
-    _run_group(group, workdir, specs)
+    try:
+      _run_group(group, workdir, specs)
+    except KeyboardInterrupt:  # Group.run let the checkpoints being written commit first
+      # The jobs' threads are still inside XLA: an interpreter shutdown around them aborts (before: status 134,
+      # 'Fatal Python error: Aborted'), so leave at once; each job's metrics lines are on disk as they were logged.
+      print(f"interrupted; {RESUME}", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(130)
 
 
 def _run_group(group, workdir: str, specs) -> None:
   from jaxrl_topo.mux import report
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.metrics import MetricsWriter
-  from jaxrl_topo.runtime.workdir import write_identity
+  from jaxrl_topo.runtime.workdir import MUX_SUMMARY, write_identity
 
   if others := other_job_folders(workdir, [s.job_id for s in specs]):
     print(f"note: {workdir} also holds job folders this group does not run: {', '.join(others)} (a job's folder "
           "is its position and config name: <i>-<config>; give the jobs in their earlier order to resume them)",
           file=sys.stderr)
+  for note in changed_configs(specs):  # as train.py says it: a relaunch may change a job's config, but not unsaid
+    print(note, file=sys.stderr)
   for s in specs:  # the job as the group runs it (disaggregated, eta 0: group.on_policy), so review reads what ran
     run.save_config(run.config_dict(s.cfg), s.workdir)
     write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused
@@ -115,7 +129,7 @@ def _run_group(group, workdir: str, specs) -> None:
   results = group.run(hooks_for)
   for w in writers.values():
     w.close(plot=False)
-  path = os.path.join(workdir, "mux_summary.json")
+  path = os.path.join(workdir, MUX_SUMMARY)
   earlier = {}
   if os.path.isfile(path):
     with open(path) as f:
@@ -134,8 +148,27 @@ def _run_group(group, workdir: str, specs) -> None:
     print(f"{jid}: " + (done if r["ok"] else f"FAILED: {r['error'].strip().splitlines()[-1]}"))
   if "busy_fraction" in summary:
     print("busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in summary["busy_fraction"].items()))
-  if not any(r["ok"] for r in results.values()):
+  failed = [jid for jid, r in results.items() if not r["ok"]]
+  if len(failed) == len(results):
     raise cli.UserError("every job failed")
+  if failed:  # the others' results stand; a script must still see that the group did not finish
+    print(f"error: {len(failed)} of {len(results)} jobs failed ({', '.join(failed)}); the others finished. Run the "
+          "same command again to retry the failed ones from their newest checkpoints", file=sys.stderr)
+    sys.exit(1)
+
+
+def changed_configs(specs) -> list[str]:
+  """A note for each job that goes on from a checkpoint under a config other than its folder's config.json."""
+  from jaxrl_topo.runtime import run
+  from jaxrl_topo.runtime.workdir import latest_checkpoint_step
+
+  notes = []
+  for s in specs:
+    latest = latest_checkpoint_step(s.workdir)
+    if latest is not None and latest < s.cfg.run.steps and (changed := run.changed_keys(s.cfg, s.workdir)):
+      notes.append(f"note: {s.job_id} goes on from step {latest} under a changed config (its config.json is "
+                   "replaced): " + "; ".join(changed))
+  return notes
 
 
 def kept_results(results: dict, earlier: dict, steps: dict) -> set[str]:
@@ -161,10 +194,11 @@ def other_job_folders(workdir: str, job_ids: Sequence[str]) -> list[str]:
 
 
 COMMON: list[str] = []
+RESUME = "run the same command again to resume every job from its newest checkpoint"
 
 if __name__ == "__main__":
   try:
     sys.argv, COMMON[:] = split_overrides(sys.argv)
   except cli.UserError as e:
     sys.exit(f"error: {e}")
-  cli.launch(main, interrupted="run the same command again to resume every job from its newest checkpoint")
+  cli.launch(main, interrupted=RESUME)

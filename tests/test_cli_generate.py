@@ -55,8 +55,8 @@ def test_out_equal_to_prompts_is_refused(tmp_path, model):
   assert p.read_text() == before
 
 
-@pytest.mark.parametrize("flag, says", [("--min_pack_rows=1", "min_pack_rows=1 must be >= 2"),
-                                        ("--pallas_splits=-1", "pallas_splits=-1 must be >= 0")])
+@pytest.mark.parametrize("flag, says", [("--min_pack_rows=1", "error: --min_pack_rows=1 must be >= 2"),
+                                        ("--pallas_splits=-1", "error: --pallas_splits=-1 must be >= 0")])
 def test_a_bad_engine_option_is_refused_before_any_work(tmp_path, flag, says):
   r = _run(GENERATE, f"--model={tmp_path / 'nope'}", f"--prompts={tmp_path / 'nope.jsonl'}",
            f"--out={tmp_path / 'o.jsonl'}", flag)
@@ -167,6 +167,36 @@ def test_an_unwritable_out_is_refused_before_generating(tmp_path, model):
   (tmp_path / "outdir").mkdir()
   with pytest.raises(OSError, match="is a directory"):
     generate.check_out_file(str(tmp_path / "outdir"))
+  # Opened to be sure (before: os.access said yes, and these failed after generating); nothing is left behind.
+  long = tmp_path / ("x" * 300 + ".jsonl")
+  with pytest.raises(OSError, match="cannot be written: File name too long"):
+    generate.check_out_file(str(long))
+  with pytest.raises(OSError, match="a name in it is longer than 255 bytes"):
+    generate.check_out_file(str(tmp_path / "new" / long.name))
+  generate.check_out_file(str(tmp_path / "fine.jsonl"))
+  assert not (tmp_path / "fine.jsonl").exists() and afile.read_text() == "mine\n"
+  generate.check_out_file(str(afile))
+  assert afile.read_text() == "mine\n"
+
+
+def test_out_never_writes_over_the_model_or_a_runs_files(tmp_path, model, workdir):
+  """Before: --out=MODEL/config.json (or its weights, or a run's metrics.jsonl) was written over."""
+  from jaxrl_topo.runtime.workdir import check_not_a_runs_file
+
+  p = _prompts(tmp_path / "in.jsonl", ["abc"])
+  before = (model / "config.json").read_bytes()
+  _one_line_error(_generate(model, p, model / "config.json"), f"--out={model / 'config.json'} is a file of the "
+                  "--model directory: writing it would destroy the model")
+  assert (model / "config.json").read_bytes() == before
+  (workdir / "identity.json").write_text("{}")
+  for name in ("metrics.jsonl", "summary.json", "checkpoints/7/x"):
+    with pytest.raises(ValueError, match=f"is the run {workdir}'s own {name.split('/')[0]}: writing there would"):
+      check_not_a_runs_file(str(workdir / name), "--out")
+  check_not_a_runs_file(str(workdir / "completions.jsonl"), "--out")  # a new file beside the run's is fine
+  (tmp_path / "group").mkdir()
+  (tmp_path / "group" / "mux_spans.jsonl").write_text("")
+  with pytest.raises(ValueError, match="is a multiplexed group's own file"):
+    check_not_a_runs_file(str(tmp_path / "group" / "mux_summary.json"), "--out")
 
 
 def test_bad_prompt_lines_name_file_and_line(tmp_path, model):

@@ -70,6 +70,60 @@ def test_a_finished_job_keeps_the_figures_of_the_session_that_finished_it():
   assert kept_results(results, {"a": kept}, {"a": 8}) == {"a"} and results["a"]["steps"] == 0
 
 
+def test_a_job_resumed_under_a_changed_config_is_noted(tmp_path):
+  """As train.py warns on a resume that changes the config (before: mux.py went on with only 'resumed at step')."""
+  from jaxrl_topo.mux.group import JobSpec, on_policy
+  from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime.config import config_from_file, from_config_dict
+  from launchers.mux import changed_configs
+
+  def spec(**overrides):
+    c = config_from_file(os.path.join(CONFIGS, "grpo_task.py"), "tiny")
+    c.update_from_flattened_dict(overrides)
+    return JobSpec("0-grpo_task", on_policy(from_config_dict(c)), str(tmp_path / "0-grpo_task"))
+
+  run_lib.save_config(run_lib.config_dict(spec().cfg), spec().workdir)
+  assert changed_configs([spec(**{"rl.advantage": "rloo"})]) == []  # no checkpoint: a fresh start, nothing goes on
+  (tmp_path / "0-grpo_task" / "checkpoints" / "2").mkdir(parents=True)
+  assert changed_configs([spec()]) == []
+  assert changed_configs([spec(**{"rl.advantage": "rloo"})]) == [
+      "note: 0-grpo_task goes on from step 2 under a changed config (its config.json is replaced): rl.advantage: "
+      "'grpo' -> 'rloo'"]
+
+
+def test_a_ctrl_c_lets_the_checkpoint_being_written_commit():
+  """Group.run on a Ctrl-C calls resume.finish_saves before it re-raises: a job thread inside resume.save commits its
+  checkpoint first (before: the process ended under it, and the relaunch went on from the one before), and no
+  new save starts after. Here with a checkpointer whose commit takes 0.3 s."""
+  import threading
+  import time
+  from types import SimpleNamespace
+
+  from jaxrl_topo.mux import resume
+  from jaxrl_topo.mux.group import _Job
+
+  class SlowCheckpointer:
+    def __init__(self):
+      self.entered, self.committed = threading.Event(), []
+
+    def save(self, step, state, meta):
+      self.entered.set()
+
+    def wait(self):
+      time.sleep(0.3)
+      self.committed.append(True)
+
+  run = SimpleNamespace(checkpoint_every=2, steps=4, seed=0)
+  job = _Job(spec=SimpleNamespace(cfg=SimpleNamespace(run=run, topology=SimpleNamespace(mode="disaggregated"))))
+  job.exp, job.ckpt = SimpleNamespace(state=None), SlowCheckpointer()
+  saver = threading.Thread(target=resume.save, args=(job, 2, {}, None), daemon=True)
+  saver.start()
+  assert job.ckpt.entered.wait(10)
+  resume.finish_saves([job])
+  assert job.ckpt.committed == [True]
+  assert not job.saving.acquire(blocking=False)  # held: a later save would wait for the process to end
+
+
 def test_an_unknown_key_is_rejected_with_its_job_spec():
   with pytest.raises(UserError, match="rl.gruop_size"):
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)
@@ -141,6 +195,14 @@ def test_a_runs_workdir_is_refused_as_a_groups(tmp_path):
   assert out.returncode == 2 and f"error: --workdir {group} holds a run of launchers/train.py, not a group" in (
       out.stderr), out.stderr[-3000:]
   assert [p.name for p in group.iterdir()] == ["identity.json"]
+  (group / "identity.json").unlink()
+  (group / "config.json").write_text('{"model_type": "llama"}')  # a model's (before: called a train.py run's)
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny")
+  assert out.returncode == 2 and f"error: --workdir {group} holds config.json (not a run's): a model directory" in (
+      out.stderr), out.stderr[-3000:]
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--plan={tmp_path / 'no.jsonl'}"],
+                       env=cpu_env(1, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and f"error: --plan={tmp_path / 'no.jsonl'}: no such file" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("holder", ["group", "group/0-grpo_task"])
@@ -252,7 +314,8 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
          f"--workdir={tmp_path}", *[f"--config.{k}={v}" for k, v in common.items()]]
   env = cpu_env(2, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # this checkout's package
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
+  failed = "error: 1 of 2 jobs failed (1-dapo); the others finished."  # status 1 (before: 0, unseen by a script)
+  assert out.returncode == 1 and failed in out.stderr, out.stderr[-3000:]
   assert "0-grpo_task: 3 steps" in out.stdout and "1-dapo: FAILED" in out.stdout, out.stdout
   # Progress while the group runs (before: nothing between the builds and the summary).
   assert all(f"mux: 0-grpo_task step {k}/3, reward " in out.stderr for k in (1, 2, 3)), out.stderr[-3000:]
@@ -281,7 +344,7 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   relogged = (tmp_path / "0-grpo_task" / "metrics.jsonl").read_text().splitlines(keepends=True)
   assert comparable(map(json.loads, relogged)) == comparable(map(json.loads, lines)), relogged
-  assert again.returncode == 0 and "0-grpo_task: already trained to step 3; nothing to do" in again.stdout, (
+  assert again.returncode == 1 and "0-grpo_task: already trained to step 3; nothing to do" in again.stdout, (
       again.stdout + again.stderr[-3000:])
   with open(tmp_path / "mux_summary.json") as f:
     kept = json.load(f)["jobs"]["0-grpo_task"]

@@ -192,6 +192,16 @@ def test_a_script_whose_run_cannot_start_leaves_nothing_behind(tmp_path):
   workdir.check_workdir(from_config_dict(_config()), str(work))
 
 
+@pytest.mark.parametrize("name", ["mux_spans.jsonl", "mux_summary.json"])
+def test_a_groups_directory_is_no_workdir(tmp_path, name):
+  """Before: train.py trained in a mux group's folder, and the group's own relaunch then refused it as a train.py
+  run's ('holds a run of launchers/train.py, not a group')."""
+  (tmp_path / name).write_text("")
+  with pytest.raises(ValueError, match=f"--workdir {tmp_path} is a multiplexed group's directory \\(it holds {name}"):
+    workdir.check_workdir(from_config_dict(_config()), str(tmp_path))
+  assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
 def test_a_model_directory_is_no_workdir(tmp_path):
   """The model's own directory, or one holding a model's files or a config.json that is not a run's, is refused
   (a run writes config.json there; --fresh deletes it); a run's own config.json passes."""
@@ -440,6 +450,6 @@ def test_a_resume_names_what_its_config_changes(tmp_path):
   before config.json is replaced; before, it went on silently and the run's record changed under it."""
   run_lib._record(from_config_dict(_config()), str(tmp_path))
   changed = from_config_dict(_config(**{"rl.advantage": "dr_grpo", "run.steps": 400, "run.fresh": True}))
-  assert run_lib._config_changes(changed, str(tmp_path)) == [  # the schedule's length follows run.steps
+  assert run_lib.changed_keys(changed, str(tmp_path)) == [  # the schedule's length follows run.steps
       "optim.total_steps: 300 -> 400", "rl.advantage: 'grpo' -> 'dr_grpo'", "run.steps: 300 -> 400"]
-  assert run_lib._config_changes(changed, str(tmp_path / "none")) is None
+  assert run_lib.changed_keys(changed, str(tmp_path / "none")) is None

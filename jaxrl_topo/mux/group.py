@@ -45,8 +45,7 @@ from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime.config import RunConfig
 from jaxrl_topo.runtime.rollout_side import _devices
-
-MUX_SPANS = "mux_spans.jsonl"
+from jaxrl_topo.runtime.workdir import MUX_SPANS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +91,7 @@ class _Job:
   tail: TailMigration | None = None  # its long-tail migration (and tail engine)
   rest: RolloutEngine | None = None  # its engine on the shards no tail uses (mux.resize), built with the group
   full: RolloutEngine | None = None  # its own engine while a rollout phase runs on `rest`
+  saving: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # held while a checkpoint is written
 
 
 def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
@@ -382,8 +382,12 @@ class Group:
         t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
         threads.append(t)
         t.start()
-      for t in threads:
-        t.join()
+      try:
+        for t in threads:
+          t.join()
+      except KeyboardInterrupt:
+        resume.finish_saves(self.jobs.values())
+        raise
     wall = time.perf_counter() - self._t0
     with self._lock:
       self._spans_file.close()

@@ -68,8 +68,16 @@ def save(job, done: int, data_state, landed: dict | None) -> None:
     return
   meta = {"step": done, "gen_id": done, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
           "accuracy_before": None, "in_flight": [], "landed": run_lib.landed_meta(landed)}
-  job.ckpt.save(done, job.exp.state, meta)
-  job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
+  with job.saving:  # a Ctrl-C waits for it (Group.finish_saves)
+    job.ckpt.save(done, job.exp.state, meta)
+    job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
+
+
+def finish_saves(jobs, timeout_s: float = 300.0) -> None:
+  """After a Ctrl-C: a checkpoint being written (`save`) commits before the process ends (before: lost, and the
+  relaunch went on from the one before); each job's lock then held, no new one starts."""
+  for job in jobs:
+    job.saving.acquire(timeout=timeout_s)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from jaxrl_topo.mux import report
-
-MUX_SPANS = "mux_spans.jsonl"
+from jaxrl_topo.runtime.workdir import MUX_SPANS
 
 
 def is_group(workdir: str) -> bool:

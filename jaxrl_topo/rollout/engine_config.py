@@ -152,8 +152,12 @@ def engine_options(options: Mapping[str, Any] | None, set_by_caller: Sequence[st
   user, i.e. none of `set_by_caller`; their values go through EngineConfig's own checks."""
   options = dict(options or {})
   free = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in set_by_caller]
-  unknown = sorted(set(options) - set(free))
+  names = {f.name for f in dataclasses.fields(EngineConfig)}
+  unknown = sorted(set(options) - names)
   if unknown:
-    raise ValueError(f"engine options {unknown}: {who} sets {list(set_by_caller)} itself; the others are {free}")
+    raise ValueError(f"engine options {unknown}: no such EngineConfig field; {who} takes {free}")
+  taken = sorted(set(options) - set(free))
+  if taken:
+    raise ValueError(f"engine options {taken}: {who} sets {list(set_by_caller)} itself; the others are {free}")
   dataclasses.replace(EngineConfig(), **options)  # raises here, with the field's name, on a bad value
   return options

@@ -132,7 +132,7 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
       loop_lib.restored_weights(exp, start)  # checkpoint 0 too (the warm-up's): not the initial weights
       logging.info("resumed from step %d of %s", start, workdir)
     if not new and start < cfg.run.steps:  # a relaunch that trains nothing leaves the run's record as it is
-      changed = _config_changes(cfg, workdir)
+      changed = changed_keys(cfg, workdir)
       if changed and _main():  # e.g. another algorithm's config on this run: it goes on, but not unsaid
         logging.warning("%s goes on from step %d under a changed config (its config.json is replaced): %s", workdir,
                         start, "; ".join(changed))
@@ -333,7 +333,7 @@ def _record(cfg: RunConfig, workdir: str) -> None:
     save_config(config_dict(cfg), workdir)
 
 
-def _config_changes(cfg: RunConfig, workdir: str) -> list[str] | None:
+def changed_keys(cfg: RunConfig, workdir: str) -> list[str] | None:
   """'key: old -> new' for every config key a relaunch changes against the workdir's config.json (run.fresh
   aside); None when that file does not load."""
   try:
@@ -345,7 +345,7 @@ def _config_changes(cfg: RunConfig, workdir: str) -> list[str] | None:
 
 def _resume_hint(cfg: RunConfig, workdir: str) -> str:
   """What a relaunch changed against the workdir's recorded config.json, for a checkpoint that does not fit."""
-  diff = _config_changes(cfg, workdir)
+  diff = changed_keys(cfg, workdir)
   if diff is None:
     return f"{workdir}'s checkpoints were saved by another configuration; start over with --fresh (run.fresh=True)"
   return (f"{workdir}'s checkpoints were saved under its config.json (kept as it was); this launch changes "

@@ -26,6 +26,7 @@ from jaxrl_topo.runtime.config import RunConfig
 IDENTITY_FILE = "identity.json"
 CONFIG_FILE = "config.json"  # the launcher's ConfigDict (run.save_config): export and resume read it
 EXPORT_RECORD = "exported_from.json"  # written by export.export beside the model: only such a directory is replaced
+MUX_SPANS, MUX_SUMMARY = "mux_spans.jsonl", "mux_summary.json"  # a multiplexed group's (launchers/mux.py) own files
 RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
              "reward_curve.png", CONFIG_FILE, IDENTITY_FILE)
 
@@ -104,12 +105,36 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
   for key, d in (("model.hf_dir", cfg.model.hf_dir), ("reward.model_dir", cfg.reward.model_dir)):
     if d is not None and os.path.realpath(d) == real:
       raise ValueError(f"{where} {workdir} is {key}: a run writes its own config.json there; use another directory")
-  found = [n for n in MODEL_FILES if os.path.exists(os.path.join(workdir, n))]
-  if not found and _run_config(workdir) is False:  # (None: none, or a torn run config: recorded_identity names it)
-    found = [CONFIG_FILE + " (not a run's)"]
+  group = [n for n in (MUX_SPANS, MUX_SUMMARY) if os.path.isfile(os.path.join(workdir, n))]
+  if group:  # before: accepted, and the group's own relaunch then refused the folder as a train.py run's
+    raise ValueError(f"{where} {workdir} is a multiplexed group's directory (it holds {', '.join(group)}; "
+                     "launchers/mux.py): a run there would mix its files with the group's; nothing was changed. Use "
+                     "another directory (each job of the group runs in its own <i>-<config> folder inside it)")
+  found = model_files(workdir)
   if found:
     raise ValueError(f"{where} {workdir} holds {', '.join(found)}: a model directory, not a run's; nothing was "
                      "changed. Use another directory (a run writes its own config.json there)")
+
+
+def model_files(directory: str) -> list[str]:
+  """What marks `directory` as a model's: its MODEL_FILES present, or a config.json that is not a run's."""
+  found = [n for n in MODEL_FILES if os.path.exists(os.path.join(directory, n))]
+  if not found and _run_config(directory) is False:  # (None: none, or a torn run config: recorded_identity names it)
+    found = [CONFIG_FILE + " (not a run's)"]
+  return found
+
+
+def check_not_a_runs_file(path: str, flag: str) -> None:
+  """Raises when writing the file `path` would overwrite a run's own files (RUN_FILES, or inside its folders) or a
+  multiplexed group's (launchers/mux.py)."""
+  real = os.path.realpath(path)
+  run, folder = _run_around(real)
+  if run is not None:
+    raise ValueError(f"{flag}={path} is the run {run}'s own {folder}: writing there would damage the run; nothing "
+                     "was written. Name a file elsewhere")
+  if os.path.basename(real) in (MUX_SPANS, MUX_SUMMARY, "mux_timeline.png") and os.path.isfile(
+      os.path.join(os.path.dirname(real), MUX_SPANS)):
+    raise ValueError(f"{flag}={path} is a multiplexed group's own file; nothing was written. Name a file elsewhere")
 
 
 def _run_around(real: str) -> tuple[str | None, str | None]:

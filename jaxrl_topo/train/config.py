@@ -47,8 +47,8 @@ class OptimConfig:
     if self.weight_decay_mask not in DECAY_MASKS:
       raise ValueError(f"OptimConfig.weight_decay_mask={self.weight_decay_mask!r}; expected one of {DECAY_MASKS}")
     if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-      raise ValueError(f"cosine schedule needs total_steps > warmup_steps, got {self.total_steps=} "
-                       f"{self.warmup_steps=}")
+      raise ValueError(f"OptimConfig.total_steps={self.total_steps} must be > warmup_steps={self.warmup_steps} for "
+                       "the cosine schedule (configs set total_steps from run.steps)")
     check_ranges("OptimConfig", self, warmup_steps=">=0", max_grad_norm=">=0", final_lr_frac="0..1", b1="0..1",
                  b2="0..1", eps=">0", weight_decay=">=0")
 
