@@ -276,6 +276,11 @@ def test_a_job_is_refused_in_words_of_its_own(tmp_path):
   with pytest.raises(UserError, match=r"^job 0-grpo_task: .* = \d+ > the model's position limit 512"):
     check_job("0-grpo_task", c, str(tmp_path / "x"))
   assert [p.name for p in tmp_path.iterdir()] == ["0-grpo_task"]
+  # Checked as the group runs it, disaggregated: a trainer mesh of its own is no colocated-mode error (before:
+  # "colocated mode time-shares one device set"), and the config given is left as it was.
+  _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["topology.trainer.fsdp=2"], 0)
+  assert check_job("0-grpo_task", c, str(tmp_path / "x")).topology.mode == "disaggregated"
+  assert c.topology.mode == "colocated"
 
 
 def test_an_async_job_is_run_disaggregated_with_a_note(tmp_path):

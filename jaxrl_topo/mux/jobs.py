@@ -45,6 +45,9 @@ def check_job(job_id: str, config, workdir: str):
   from jaxrl_topo.runtime.workdir import check_data, check_model, check_positions, check_workdir
 
   try:
+    if config.topology.mode == "colocated":  # checked as the group runs it (group.on_policy): before, a trainer mesh
+      config = config.copy_and_resolve_references()  # of its own was refused as "colocated mode time-shares ..."
+      config.topology.mode = "disaggregated"
     cfg = from_config_dict(config)
     check_data(cfg)
     check_model(cfg)
