@@ -91,9 +91,11 @@ def check_inputs(model_dir: str, prompts_path: str, out_path: str, max_new_token
     raise FileNotFoundError(f"--prompts={prompts_path}: no such file")
   if os.path.realpath(out_path) == os.path.realpath(prompts_path):
     raise ValueError(f"--out={out_path} is the --prompts file: writing it would destroy the input")
-  out_dir = os.path.dirname(os.path.abspath(out_path))
-  if os.path.realpath(out_dir) == os.path.realpath(model_dir) and os.path.exists(out_path) and not out_path.endswith(
-      ".jsonl"):  # before: written over, e.g. the model's config.json or weights
+  model_real = os.path.realpath(model_dir)
+  in_model = any(os.path.realpath(os.path.dirname(p)) == model_real for p in (os.path.abspath(out_path),
+                                                                                os.path.realpath(out_path)))
+  if in_model and os.path.isfile(out_path) and not os.path.realpath(out_path).endswith(
+      ".jsonl"):  # before: written over, e.g. the model's config.json or weights (a link to one too)
     raise ValueError(f"--out={out_path} is a file of the --model directory: writing it would destroy the model; "
                      "nothing was written. Name a new file (e.g. completions.jsonl)")
   check_not_a_runs_file(out_path, "--out")

@@ -91,6 +91,13 @@ def main(argv: Sequence[str]) -> None:
     except KeyboardInterrupt:  # Group.run let the checkpoints being written commit first
       # The jobs' threads are still inside XLA: an interpreter shutdown around them aborts (before: status 134,
       # 'Fatal Python error: Aborted'), so leave at once; each job's metrics lines are on disk as they were logged.
+      # os._exit skips multiprocessing's exit handling: the reward workers (which ignore SIGINT) are stopped here.
+      import multiprocessing
+
+      for child in multiprocessing.active_children():
+        child.terminate()
+      for child in multiprocessing.active_children():
+        child.join(timeout=5)
       print(f"interrupted; {RESUME}", file=sys.stderr, flush=True)
       sys.stdout.flush()
       os._exit(130)
@@ -131,16 +138,19 @@ def _run_group(group, workdir: str, specs) -> None:
     w.close(plot=False)
   path = os.path.join(workdir, MUX_SUMMARY)
   earlier = {}
-  if os.path.isfile(path):
+  try:
     with open(path) as f:
       earlier = json.load(f).get("jobs", {})
+  except (OSError, ValueError, AttributeError):  # none yet, or not a summary: nothing kept from it
+    pass
   finished = kept_results(results, earlier, {jid: job.spec.cfg.run.steps for jid, job in group.jobs.items()})
   summary = {"jobs": results}
   if group.spans:
     summary["busy_fraction"] = report.busy_fractions(group.spans)
     report.plot_timeline(group.spans, os.path.join(workdir, "mux_timeline.png"))
-  with open(path, "w") as f:
+  with open(path + ".tmp", "w") as f:  # replaced whole: a Ctrl-C here leaves the earlier one, not half a file
     json.dump(summary, f, indent=2)
+  os.replace(path + ".tmp", path)
   for jid, r in results.items():
     done = f"{r['steps']} steps" + (f" (resumed at step {r['resumed_from']})" if r["resumed_from"] else "")
     if jid in finished:

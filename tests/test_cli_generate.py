@@ -177,6 +177,9 @@ def test_an_unwritable_out_is_refused_before_generating(tmp_path, model):
   assert not (tmp_path / "fine.jsonl").exists() and afile.read_text() == "mine\n"
   generate.check_out_file(str(afile))
   assert afile.read_text() == "mine\n"
+  os.symlink(tmp_path / "gone.jsonl", tmp_path / "link.jsonl")  # dangling: the link stays, nothing is made
+  generate.check_out_file(str(tmp_path / "link.jsonl"))
+  assert os.path.islink(tmp_path / "link.jsonl") and not (tmp_path / "gone.jsonl").exists()
 
 
 def test_out_never_writes_over_the_model_or_a_runs_files(tmp_path, model, workdir):
@@ -187,6 +190,9 @@ def test_out_never_writes_over_the_model_or_a_runs_files(tmp_path, model, workdi
   before = (model / "config.json").read_bytes()
   _one_line_error(_generate(model, p, model / "config.json"), f"--out={model / 'config.json'} is a file of the "
                   "--model directory: writing it would destroy the model")
+  assert (model / "config.json").read_bytes() == before
+  os.symlink(model / "config.json", tmp_path / "cfg")  # a link to it, from elsewhere
+  _one_line_error(_generate(model, p, tmp_path / "cfg"), "is a file of the --model directory")
   assert (model / "config.json").read_bytes() == before
   (workdir / "identity.json").write_text("{}")
   for name in ("metrics.jsonl", "summary.json", "checkpoints/7/x"):

@@ -161,6 +161,8 @@ def test_generate_command_end_to_end(tiny_dir, tmp_path, monkeypatch):
 def test_engine_options_are_checked_before_any_work():
   with pytest.raises(ValueError, match=r"engine options \['n_slots'\]: generation sets .*'n_slots'.* itself"):
     generate.engine_knobs({"n_slots": 4, "kv_dtype": "bfloat16"})
+  with pytest.raises(ValueError, match=r"engine options \['bogus'\]: no such EngineConfig field; generation takes "):
+    generate.engine_knobs({"bogus": 1})  # before: "generation sets [...] itself", as if it were one of those
   with pytest.raises(ValueError, match="min_pack_rows=1 must be >= 2"):
     generate.engine_knobs({"min_pack_rows": 1})
   with pytest.raises(ValueError, match=r"kv_dtype='int8'; expected one of"):

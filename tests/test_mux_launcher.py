@@ -114,7 +114,8 @@ def test_a_ctrl_c_lets_the_checkpoint_being_written_commit():
       self.committed.append(True)
 
   run = SimpleNamespace(checkpoint_every=2, steps=4, seed=0)
-  job = _Job(spec=SimpleNamespace(cfg=SimpleNamespace(run=run, topology=SimpleNamespace(mode="disaggregated"))))
+  job = _Job(spec=SimpleNamespace(job_id="a", cfg=SimpleNamespace(run=run, topology=SimpleNamespace(
+      mode="disaggregated"))))
   job.exp, job.ckpt = SimpleNamespace(state=None), SlowCheckpointer()
   saver = threading.Thread(target=resume.save, args=(job, 2, {}, None), daemon=True)
   saver.start()

@@ -26,6 +26,8 @@ from jaxrl_topo.runtime.config import from_config_dict
     ("rl.is_cap", 0.0, "LossConfig.is_cap=0.0 must be > 0"),
     ("optim.weight_decay", -1.0, "OptimConfig.weight_decay=-1.0 must be >= 0"),
     ("optim.final_lr_frac", 5.0, "OptimConfig.final_lr_frac=5.0 must be in [0, 1]"),
+    # before: "... got self.total_steps=0 self.warmup_steps=..."
+    ("optim.total_steps", 0, "OptimConfig.total_steps=0 must be > warmup_steps="),
     ("lora.rank", -1, "LoraConfig.rank=-1 must be >= 0"),
     ("reward.error_score", float("nan"), "reward.error_score=nan must be a finite number"),
     ("rollout.stop", (1, 2), "rollout.stop[0] must be str, got int 1"),  # before: a TypeError's traceback

@@ -364,7 +364,8 @@ class Group:
   def run(self, hooks_for=None) -> dict[str, dict]:
     """Runs every admitted job to its `run.steps`; returns {job id: {"ok", "steps", "error", ...}}.
     `hooks_for(job_id, exp) -> LoopHooks`: a job's own sinks (metrics writer, spans file); the group's
-    turn and warm-state hooks wrap them."""
+    turn and warm-state hooks wrap them. A KeyboardInterrupt is re-raised once any checkpoint being written has
+    committed (resume.finish_saves); the jobs' save locks stay held, so the group is not run again after it."""
     if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
     # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.

@@ -37,7 +37,8 @@ def parse_job(spec: str, common: Sequence[str], index: int):
 
 
 def check_job(job_id: str, config, workdir: str):
-  """The job's RunConfig, after the checks a solo launch makes before its workdir is touched: the config, its
+  """The job's RunConfig (a colocated job's as disaggregated, the mode the group runs it in; an async one's as given,
+  for `mode_notice`), after the checks a solo launch makes before its workdir is touched: the config, its
   prompts (`check_data`), its LoRA targets (`check_model`), its position limit (`check_positions`) and whose
   run `workdir` holds (`check_workdir`). A failure is a UserError naming the job; the launcher checks every job
   before it writes anything, so nothing is lost to a bad one (`Group.admit` then checks the devices and meshes)."""

@@ -15,6 +15,8 @@ import os
 import signal
 import threading
 
+from absl import logging
+
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import run as run_lib
@@ -77,15 +79,20 @@ def finish_saves(jobs, timeout_s: float = 300.0) -> None:
   """After a Ctrl-C: a checkpoint being written (`save`) commits before the process ends (before: lost, and the
   relaunch went on from the one before); each job's lock then held, no new one starts."""
   for job in jobs:
-    job.saving.acquire(timeout=timeout_s)
+    if not job.saving.acquire(blocking=False):
+      logging.warning("mux: waiting for job %s's checkpoint to commit (Ctrl-C again to quit without it)",
+                      job.spec.job_id)
+      if not job.saving.acquire(timeout=timeout_s):
+        logging.warning("mux: job %s's checkpoint did not commit within %.0f s; leaving without it",
+                        job.spec.job_id, timeout_s)
 
 
 @contextlib.contextmanager
 def noting_interrupts(flag: threading.Event):
-  """Sets `flag` on a SIGINT, then lets Python's own handling raise KeyboardInterrupt in the main thread. The jobs'
-  threads then fail as the process winds down (their reward workers got the signal too; orbax refuses new saves at
-  shutdown): the group reads `flag` so as not to report those as the jobs' own failures. Off the main thread (where
-  no signal handler can be set) it does nothing."""
+  """Sets `flag` on a SIGINT, then lets Python's own handling raise KeyboardInterrupt in the main thread (Group.run
+  then lets a checkpoint being written commit, `finish_saves`, and re-raises). A job that fails meanwhile (e.g. its
+  reward worker gone) is not reported as failing on its own: the group reads `flag`. Off the main thread (where no
+  signal handler can be set) it does nothing."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return

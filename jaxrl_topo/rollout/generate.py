@@ -71,21 +71,21 @@ def _prompt_ids(row: Any, tokenizer: Tokenizer | None, chat: bool, where: str, v
 def check_out_file(path: str, flag: str = "--out") -> None:
   """Raises, writing nothing, unless `path` can be written as a file: not a directory, its parent a directory
   (or one that can be made) that is writable; where the parent exists, the file is opened to be sure (and removed
-  again if it was new)."""
+  again if it was new, so nothing is left written)."""
   if os.path.isdir(path):
     raise IsADirectoryError(f"{flag}={path} is a directory; it names the output file (e.g. {flag}=DIR/out.jsonl)")
   if os.path.exists(path) and not os.access(path, os.W_OK):
     raise PermissionError(f"{flag}={path} is not writable")
   hf_io.check_parent(path, flag)
   if os.path.isdir(os.path.dirname(os.path.abspath(path))):  # try it: os.access says yes to root, and to /proc
-    existed = os.path.exists(path)
+    existed = os.path.exists(path)  # (a dangling link: no; the file made is its target, removed, the link kept)
     try:
       with open(path, "a"):
         pass
     except OSError as e:
       raise OSError(f"{flag}={path} cannot be written: {e.strerror}") from None
     if not existed:
-      os.remove(path)
+      os.remove(os.path.realpath(path))
   elif any(len(name.encode()) > 255 for name in path.split(os.sep)):  # its folders are made later
     raise OSError(f"{flag}={path}: a name in it is longer than 255 bytes")
 
