@@ -125,6 +125,32 @@ def test_a_ctrl_c_lets_the_checkpoint_being_written_commit():
   assert not job.saving.acquire(blocking=False)  # held: a later save would wait for the process to end
 
 
+def test_a_ctrl_c_while_the_jobs_run_waits_for_their_saves_then_stops_the_run(tmp_path, monkeypatch):
+  """Group.run, interrupted (SIGINT's handler, as a Ctrl-C reaches it) while its job threads run: it calls
+  resume.finish_saves before the KeyboardInterrupt leaves it (before: the process ended under a save in progress)."""
+  import _thread
+  import threading
+
+  from jaxrl_topo.mux import resume
+  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+  from jaxrl_topo.runtime.config import config_from_file, from_config_dict
+
+  assert threading.current_thread() is threading.main_thread()  # where a signal handler can be set, as in mux.py
+  cfg = from_config_dict(config_from_file(os.path.join(CONFIGS, "grpo_task.py"), "tiny"))
+  group = Group([JobSpec("a", cfg, str(tmp_path / "a"))], MuxConfig(), str(tmp_path))
+  group.built, group.jobs["a"].exp = True, object()  # nothing built: the job thread below stands in for its loop
+  release = threading.Event()
+  # The job's thread interrupts the main one, as a Ctrl-C would (through the group's SIGINT handler), then runs on.
+  monkeypatch.setattr(group, "_run_job", lambda job, hooks: (_thread.interrupt_main(), release.wait(30)))
+  waited = []
+  monkeypatch.setattr(resume, "finish_saves", lambda jobs: waited.extend(j.spec.job_id for j in jobs))
+  with pytest.raises(KeyboardInterrupt):
+    group.run()
+  release.set()
+  group._spans_file.close()
+  assert waited == ["a"] and group.interrupted.is_set()
+
+
 def test_an_unknown_key_is_rejected_with_its_job_spec():
   with pytest.raises(UserError, match="rl.gruop_size"):
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)

@@ -376,17 +376,17 @@ class Group:
     self._spans_file = open(os.path.join(self.workdir, MUX_SPANS), "a")  # noqa: SIM115 (closed after the jobs)
     with resume.noting_interrupts(self.interrupted):
       threads = []
-      for jid, job in self.jobs.items():
-        if job.exp is None:
-          continue
-        hooks = hooks_for(jid, job.exp) if hooks_for else loop_lib.LoopHooks()
-        t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
-        threads.append(t)
-        t.start()
       try:
+        for jid, job in self.jobs.items():
+          if job.exp is None:
+            continue
+          hooks = hooks_for(jid, job.exp) if hooks_for else loop_lib.LoopHooks()
+          t = threading.Thread(target=self._run_job, args=(job, hooks), name=f"mux-{jid}", daemon=True)
+          threads.append(t)
+          t.start()
         for t in threads:
           t.join()
-      except KeyboardInterrupt:
+      except KeyboardInterrupt:  # jobs already started may be saving
         resume.finish_saves(self.jobs.values())
         raise
     wall = time.perf_counter() - self._t0
