@@ -70,7 +70,7 @@ def save(job, done: int, data_state, landed: dict | None) -> None:
     return
   meta = {"step": done, "gen_id": done, "data_state": data_state, "seed": cfg.run.seed, "mode": cfg.topology.mode,
           "accuracy_before": None, "in_flight": [], "landed": run_lib.landed_meta(landed)}
-  with job.saving:  # a Ctrl-C waits for it (Group.finish_saves)
+  with job.saving:  # a Ctrl-C waits for it (finish_saves, from Group.run)
     job.ckpt.save(done, job.exp.state, meta)
     job.ckpt.wait()  # the state is parked (its device buffers freed) right after this
 
