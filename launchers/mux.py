@@ -107,7 +107,7 @@ def _run_group(group, workdir: str, specs) -> None:
   from jaxrl_topo.mux import report
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.metrics import MetricsWriter
-  from jaxrl_topo.runtime.workdir import MUX_SUMMARY, write_identity
+  from jaxrl_topo.runtime.workdir import MUX_SUMMARY, MUX_TIMELINE, write_identity
 
   if others := other_job_folders(workdir, [s.job_id for s in specs]):
     print(f"note: {workdir} also holds job folders this group does not run: {', '.join(others)} (a job's folder "
@@ -147,7 +147,7 @@ def _run_group(group, workdir: str, specs) -> None:
   summary = {"jobs": results}
   if group.spans:
     summary["busy_fraction"] = report.busy_fractions(group.spans)
-    report.plot_timeline(group.spans, os.path.join(workdir, "mux_timeline.png"))
+    report.plot_timeline(group.spans, os.path.join(workdir, MUX_TIMELINE))
   with open(path + ".tmp", "w") as f:  # replaced whole: a Ctrl-C here leaves the earlier one, not half a file
     json.dump(summary, f, indent=2)
   os.replace(path + ".tmp", path)

@@ -38,7 +38,7 @@ def preflight(cfg) -> None:
   limit."""
   from jaxrl_topo.envs import env as env_lib
   from jaxrl_topo.envs import rewards
-  from jaxrl_topo.runtime.workdir import check_positions
+  from jaxrl_topo.runtime.preflight import check_positions
 
   if cfg.model.hf_dir is not None and not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
     raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there (expected a local "
@@ -62,10 +62,9 @@ def main(argv: Sequence[str]) -> None:
   dist = _DISTRIBUTED()  # a partial explicit set-up fails here, first
   from jaxrl_topo.runtime import distributed
   from jaxrl_topo.runtime.config import from_config_dict
+  from jaxrl_topo.runtime.preflight import check_data, check_model
   from jaxrl_topo.runtime.workdir import (
-    check_data,
     check_fresh,
-    check_model,
     check_not_a_model,
     check_not_in_use,
     check_workdir,
@@ -87,7 +86,7 @@ def main(argv: Sequence[str]) -> None:
   import jax
 
   from jaxrl_topo.runtime import run
-  from jaxrl_topo.runtime.workdir import check_shapes
+  from jaxrl_topo.runtime.preflight import check_shapes
   from jaxrl_topo.topology.carve import carve
 
   check_shapes(cfg, carve(cfg.topology, warn=False))  # enough devices? the weights and batch divide over the meshes?

@@ -168,6 +168,9 @@ def test_engine_options_are_checked_before_any_work():
   with pytest.raises(ValueError, match=r"kv_dtype='int8'; expected one of"):
     generate.engine_knobs({"kv_dtype": "int8"})
   assert generate.engine_knobs(None) == {} and generate.engine_knobs({"max_chunk": 0}) == {"max_chunk": 0}
+  for size, says in ((0, "page_size=0 must be positive"), (2.5, "page_size=2.5 must be of type int")):
+    with pytest.raises((ValueError, TypeError), match=says):  # EngineConfig's check, before any file is read
+      generate.run("/no/model", "/no/prompts.jsonl", "/no/out.jsonl", page_size=size)
 
 
 def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tiny_dir, tmp_path):

@@ -272,7 +272,7 @@ def test_a_job_that_fails_its_build_is_reported_once_and_its_checkpointer_closed
 
 def test_meshes_the_model_does_not_divide_over_are_refused_before_anything_is_written(tmp_path):
   """Group.admit (the launcher's last check before it writes job folders) now checks each job's model and batch
-  against its meshes (workdir.check_shapes). Before: the job folders, config.json and identity.json were
+  against its meshes (preflight.check_shapes). Before: the job folders, config.json and identity.json were
   written, then the job failed its build (a rollout mesh of tensor=3 does not divide the vocabulary)."""
   from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
 

@@ -215,11 +215,11 @@ def test_minibatches_must_divide_the_microbatches_and_be_positive():
 
 def test_the_dapo_config_makes_two_updates_a_step_and_a_launch_refuses_minibatches_that_do_not_divide():
   """configs/dapo.py reaches the step with two updates (so its clip-higher binds); a launch whose run.n_micro
-  the minibatches do not divide is refused before anything is built (runtime/workdir.check_shapes)."""
+  the minibatches do not divide is refused before anything is built (runtime/preflight.check_shapes)."""
   import os
 
   from jaxrl_topo.runtime.config import config_from_file, from_config_dict
-  from jaxrl_topo.runtime.workdir import check_shapes
+  from jaxrl_topo.runtime.preflight import check_shapes
   from jaxrl_topo.topology.carve import carve
 
   c = config_from_file(os.path.join(os.path.dirname(__file__), "..", "configs", "dapo.py"), "tiny")

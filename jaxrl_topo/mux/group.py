@@ -106,8 +106,8 @@ def compile_counts(exp: experiment_lib.Experiment) -> dict[str, int]:
 def planned_pools(jid: str, cfg: RunConfig) -> dict[str, list[int]]:
   """{"train", "rollout": device ids} the job's topology carves (as `experiment.build` will), or a ValueError
   naming the job: e.g. too few devices (the launcher adds cli.device_hint's XLA_FLAGS hint on a CPU), or weights
-  or a batch that do not divide over the meshes (`workdir.check_shapes`: abstract shapes, nothing built)."""
-  from jaxrl_topo.runtime.workdir import check_shapes
+  or a batch that do not divide over the meshes (`preflight.check_shapes`: abstract shapes, nothing built)."""
+  from jaxrl_topo.runtime.preflight import check_shapes
   from jaxrl_topo.topology.carve import carve
 
   verbosity = logging.get_verbosity()

@@ -43,7 +43,8 @@ def check_job(job_id: str, config, workdir: str):
   run `workdir` holds (`check_workdir`). A failure is a UserError naming the job; the launcher checks every job
   before it writes anything, so nothing is lost to a bad one (`Group.admit` then checks the devices and meshes)."""
   from jaxrl_topo.runtime.config import from_config_dict
-  from jaxrl_topo.runtime.workdir import check_data, check_model, check_positions, check_workdir
+  from jaxrl_topo.runtime.preflight import check_data, check_model, check_positions
+  from jaxrl_topo.runtime.workdir import check_workdir
 
   try:
     if config.topology.mode == "colocated":  # checked as the group runs it (group.on_policy): before, a trainer mesh

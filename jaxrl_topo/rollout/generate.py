@@ -29,7 +29,7 @@ from jaxrl_topo.models import hf_io
 from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
-from jaxrl_topo.rollout.engine_config import engine_options
+from jaxrl_topo.rollout.engine_config import check_fields, engine_options
 from jaxrl_topo.rollout.requests import stop_string_end
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
@@ -203,8 +203,7 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
   `stop`: stop strings, each completion ending right after the first it holds (generate_ids); `page_size`: tokens
   per KV page."""
   engine = engine_knobs(engine)
-  if page_size < 1:
-    raise ValueError(f"page_size={page_size} must be >= 1")
+  check_fields({"page_size": page_size}, "")  # EngineConfig's own check, before the model loads
   check_sizes(batch_size, data, tensor)
   check_out_file(out_path, "out_path")
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None

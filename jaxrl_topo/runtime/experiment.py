@@ -37,9 +37,9 @@ from jaxrl_topo.rollout.engine_config import SHARED_FIELDS
 from jaxrl_topo.rollout.generate import generate_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.config import RunConfig
+from jaxrl_topo.runtime.preflight import check_model
 from jaxrl_topo.runtime.sections import MODEL_REWARD
 from jaxrl_topo.runtime.sync import WeightSync
-from jaxrl_topo.runtime.workdir import check_model
 from jaxrl_topo.topology.carve import Topology, carve, check_model_fits, log_sharding_table
 from jaxrl_topo.topology.hostcomm import broadcast, to_host
 from jaxrl_topo.topology.rules import TRAIN_RULES, ActivationSharding

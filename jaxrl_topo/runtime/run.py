@@ -35,7 +35,7 @@ import jax
 from absl import logging
 
 from jaxrl_topo.runtime import experiment as experiment_lib
-from jaxrl_topo.runtime import inflight
+from jaxrl_topo.runtime import inflight, preflight
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
@@ -72,9 +72,9 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
     workdir_lib.check_workdir(cfg, workdir, need_record=False, where="workdir")
     # enough devices? the weights and batch divide over the meshes? Still unwritten (the build warns of idle devices)
     topology = carve(cfg.topology, warn=False)
-    workdir_lib.check_shapes(cfg, topology)
-    workdir_lib.check_positions(cfg)
-    workdir_lib.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
+    preflight.check_shapes(cfg, topology)
+    preflight.check_positions(cfg)
+    preflight.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
     # One run at a time in a workdir: process 0 holds its run.lock (another launch there is refused)
     with workdir_lib.held(workdir) if _main() else contextlib.nullcontext():
       return _train(cfg, workdir, topology, t0, progress=progress)
