@@ -195,7 +195,7 @@ def test_out_never_writes_over_the_model_or_a_runs_files(tmp_path, model, workdi
   _one_line_error(_generate(model, p, tmp_path / "cfg"), "is a file of the --model directory")
   assert (model / "config.json").read_bytes() == before
   (workdir / "identity.json").write_text("{}")
-  for name in ("metrics.jsonl", "summary.json", "checkpoints/7/x"):
+  for name in ("metrics.jsonl", "summary.json", "checkpoints/7/x", "run.lock", "profile/plugins/x"):
     with pytest.raises(ValueError, match=f"is the run {workdir}'s own {name.split('/')[0]}: writing there would"):
       check_not_a_runs_file(str(workdir / name), "--out")
   check_not_a_runs_file(str(workdir / "completions.jsonl"), "--out")  # a new file beside the run's is fine

@@ -25,6 +25,8 @@ EXPORT_RECORD = "exported_from.json"  # written by export.export beside the mode
 MUX_SPANS, MUX_SUMMARY, MUX_TIMELINE = "mux_spans.jsonl", "mux_summary.json", "mux_timeline.png"
 RUN_FILES = ("checkpoints", "init_model", "metrics.jsonl", "histograms.jsonl", "spans.jsonl", "summary.json", "tb",
              "reward_curve.png", CONFIG_FILE, IDENTITY_FILE)
+LOCK_FILE = "run.lock"  # held (flock) by the process running the run, its pid inside
+RUNS_OWN = (*RUN_FILES, "profile", LOCK_FILE)  # what nothing else may write over (--fresh deletes only RUN_FILES)
 
 
 def identity(cfg: RunConfig) -> dict:
@@ -121,7 +123,7 @@ def model_files(directory: str) -> list[str]:
 
 
 def check_not_a_runs_file(path: str, flag: str) -> None:
-  """Raises when writing the file `path` would overwrite a run's own files (RUN_FILES, or inside its folders) or a
+  """Raises when writing the file `path` would overwrite a run's own files (RUNS_OWN, or inside its folders) or a
   multiplexed group's (launchers/mux.py)."""
   real = os.path.realpath(path)
   run, folder = _run_around(real)
@@ -139,7 +141,7 @@ def _run_around(real: str) -> tuple[str | None, str | None]:
   path = real
   while os.path.dirname(path) != path:
     parent, name = os.path.dirname(path), os.path.basename(path)
-    if name in RUN_FILES and (os.path.isfile(os.path.join(parent, IDENTITY_FILE)) or _run_config(parent)):
+    if name in RUNS_OWN and (os.path.isfile(os.path.join(parent, IDENTITY_FILE)) or _run_config(parent)):
       return parent, name
     path = parent
   return None, None
@@ -205,7 +207,7 @@ def check_export_out(workdir: str, out: str) -> None:
     raise ValueError(f"--out={out} is the --workdir: the export would overwrite the run's config.json; "
                      f"write it to a new directory, e.g. --out={os.path.join(workdir, 'hf')}")
   inside = os.path.relpath(dest, work).split(os.sep)[0] if dest.startswith(work + os.sep) else None
-  if inside in (*RUN_FILES, "profile"):
+  if inside in RUNS_OWN:
     raise ValueError(f"--out={out} is the run's own {inside} (in --workdir={workdir}): writing there would "
                      f"damage the run; use e.g. --out={os.path.join(workdir, 'hf')}")
   try:
@@ -220,8 +222,6 @@ def check_export_out(workdir: str, out: str) -> None:
                           "choose a new directory (an earlier export there would be replaced)")
   hf_io.check_out_dir(out, replace_model=True)
 
-
-LOCK_FILE = "run.lock"  # held (flock) by the process running the run, its pid inside
 
 
 @contextlib.contextmanager
