@@ -5,7 +5,7 @@
 The embeddable API, in order:
   fns = PolicyFns(apply=apply_fn)  # apply_fn(params, tokens_RS, positions_RS, segment_ids_RS) -> logits_RSV
   cfg = TrainConfig(loss=LossConfig(group_size=4, advantage="grpo"), optim=OptimConfig(lr=...))
-  tx = make_optimizer(cfg.optim)
+  tx = make_optimizer(cfg.optim, cfg.loss.updates)
   state = create_train_state(params, cfg, tx)  # params: any pytree, placed/sharded as you like (donated)
   step = make_train_step(fns, cfg, tx, state, mesh=mesh, rules=TRAIN_RULES)  # one jit; state donated
   state, metrics = step(state, build_batch(completions, n_micro=, rows=, row_len=, resp_len=))
@@ -99,7 +99,7 @@ def setup(n_devices: int = 4, lr: float = 3e-3, seed: int = 0):
   batch = make_batch(params, seed)
   gap0 = logp_gap(params, batch)  # before create_train_state: it donates `params`
   cfg = TrainConfig(loss=LossConfig(group_size=GROUP, advantage="grpo"), optim=OptimConfig(lr=lr), seed=seed)
-  tx = make_optimizer(cfg.optim)
+  tx = make_optimizer(cfg.optim, cfg.loss.updates)
   state = create_train_state(params, cfg, tx)
   step = make_train_step(PolicyFns(apply=apply_fn), cfg, tx, state, mesh=mesh, rules=TRAIN_RULES)
   return state, step, batch, gap0

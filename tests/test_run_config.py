@@ -39,6 +39,8 @@ from jaxrl_topo.runtime.config import from_config_dict
     # before: accepted, then "unexpected keyword argument" once the run wrote its init_model
     ("model.overrides", {"n_layer": 3}, "model.overrides: 'n_layer' is not a model config field; did you mean"),
     ("run.sft_lr", float("inf"), "run.sft_lr=inf must be finite"),
+    ("optim.lr", float("inf"), "OptimConfig.lr=inf must be finite"),  # before: NaN weights after step 0, exit 0
+    ("optim.max_grad_norm", float("inf"), "OptimConfig.max_grad_norm=inf must be finite"),
     ("run.eval_samples", 0, "run.eval_samples=0 must be >= 1"),
     ("run.sft_n_micro", 3, "run.sft_batch=64 must be a multiple of run.sft_n_micro=3"),
     ("run.sft_weight_decay", -0.1, "run.sft_weight_decay=-0.1 must be >= 0"),

@@ -7,6 +7,8 @@ policy. The toy policy runs `train_step` op by op (train_fixtures.one_step), so 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -258,3 +260,23 @@ def test_build_batch_refuses_a_reward_that_is_not_a_number_and_sizes_that_cannot
     _batch(comps, n_micro=2, old=start[1:])
   with pytest.raises(ValueError, match=r"sequence 3: old_logp has 1 entries for \d+ response tokens"):
     _batch(comps, n_micro=2, old=[*start[:3], start[3][:1], *start[4:]])
+
+
+def test_an_optimizer_built_for_another_update_count_is_refused():
+  """Before: make_optimizer(tc.optim) (the README's snippet) under epochs=2 x minibatches=2 ran the schedule 4x too
+  fast (warm-up over in a quarter of its steps, step 0 moving the weights at a logged lr of 0), silently."""
+
+  from jaxrl_topo.train.policy import PolicyFns
+  from jaxrl_topo.train.step import make_train_step
+
+  cfg = TrainConfig(loss=LossConfig(group_size=G, epochs=2, minibatches=2))
+  fns = PolicyFns(apply=lambda *a: None)
+  tx = make_optimizer(OptimConfig(lr=0.05, warmup_steps=4))
+  with pytest.raises(ValueError, match=re.escape(
+      "the optimizer counts 1 update(s) a train step, but the loss makes 4 (LossConfig epochs x minibatches = 2 x 2)")):
+    make_train_step(fns, cfg, tx, _fresh(cfg, tx))
+  tx = make_optimizer(OptimConfig(lr=0.05, warmup_steps=4), cfg.loss.updates)
+  make_train_step(fns, cfg, tx, _fresh(cfg, tx))  # (nothing traced yet)
+  make_train_step(fns, cfg, optax.sgd(0.1), _fresh(cfg, optax.sgd(0.1)))  # an optax chain of the caller's own
+  with pytest.raises(ValueError, match=r"updates_per_step=0 must be an int >= 1"):
+    make_optimizer(OptimConfig(lr=0.05), 0)

@@ -5,6 +5,9 @@ Moments live in fp32 next to fp32 master params (optax keeps each moment in its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import optax
 
@@ -25,9 +28,20 @@ def _matrices(params):
   return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
-  """The chain; with several optimizer updates a train step (rl.epochs x rl.minibatches), the schedule still
-  counts train steps (warmup_steps, total_steps): every update of a step takes that step's rate."""
+class Optimizer(NamedTuple):
+  """An optax transformation (`init`, `update`) that knows how many updates a train step makes: its schedule counts
+  train steps, so `make_train_step` refuses it for a TrainConfig whose loss makes another number of them."""
+  init: Callable
+  update: Callable
+  updates_per_step: int
+
+
+def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> Optimizer:
+  """The chain; with several optimizer updates a train step (LossConfig.updates: epochs x minibatches), the
+  schedule still counts train steps (warmup_steps, total_steps): every update of a step takes that step's rate.
+  Give the count the train step makes: `make_optimizer(tc.optim, tc.loss.updates)`."""
+  if not isinstance(updates_per_step, int) or updates_per_step < 1:
+    raise ValueError(f"updates_per_step={updates_per_step!r} must be an int >= 1 (LossConfig.updates)")
   clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
   per_step = learning_rate(cfg)
 
@@ -36,4 +50,5 @@ def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> optax.Gradien
 
   adam = optax.adamw(per_step if updates_per_step == 1 else per_update, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                      weight_decay=cfg.weight_decay, mask=_matrices if cfg.weight_decay_mask == "matrices" else None)
-  return optax.chain(*clip, adam)
+  chain = optax.chain(*clip, adam)
+  return Optimizer(chain.init, chain.update, updates_per_step)

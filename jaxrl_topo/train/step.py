@@ -317,6 +317,12 @@ def make_train_step(fns: PolicyFns, cfg: TrainConfig, tx: optax.GradientTransfor
   if cfg.loss.critic != "none" and fns.hidden is None:
     raise ValueError(f"rl.critic={cfg.loss.critic!r} reads the policy's hidden states: give PolicyFns(hidden=..., "
                      "unembed=...) (e.g. policy.model_fns(graphdef)), not apply=...")
+  per = getattr(tx, "updates_per_step", None)  # optim.Optimizer's; a plain optax chain counts its own updates
+  if per is not None and per != cfg.loss.updates:
+    raise ValueError(f"the optimizer counts {per} update(s) a train step, but the loss makes {cfg.loss.updates} "
+                     f"(LossConfig epochs x minibatches = {cfg.loss.epochs} x {cfg.loss.minibatches}): its schedule "
+                     "would run that many times too fast or slow; build it with "
+                     "optim.make_optimizer(cfg.optim, cfg.loss.updates)")
   shardings = jax.tree.map(lambda x: x.sharding, state)
   batch_sharding = metric_sharding = None
   if mesh is not None:
