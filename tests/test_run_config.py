@@ -27,7 +27,7 @@ from jaxrl_topo.runtime.config import from_config_dict
     ("optim.weight_decay", -1.0, "OptimConfig.weight_decay=-1.0 must be >= 0"),
     ("optim.final_lr_frac", 5.0, "OptimConfig.final_lr_frac=5.0 must be in [0, 1]"),
     # before: "... got self.total_steps=0 self.warmup_steps=..."
-    ("optim.total_steps", 0, "OptimConfig.total_steps=0 must be > warmup_steps="),
+    ("optim.total_steps", -1, "OptimConfig.total_steps=-1 must be > warmup_steps="),
     ("lora.rank", -1, "LoraConfig.rank=-1 must be >= 0"),
     ("reward.error_score", float("nan"), "reward.error_score=nan must be a finite number"),
     ("rollout.stop", (1, 2), "rollout.stop[0] must be str, got int 1"),  # before: a TypeError's traceback
@@ -126,3 +126,18 @@ def test_the_rollout_config_reaches_the_engine():
   assert (e.impl, e.pallas_splits) == ("pallas", 3)
   with pytest.raises(ValueError, match="pallas_splits=3 sets the Pallas kernel; rollout.impl='window' never runs it"):
     tiny_cfg("colocated", 1, **{"rollout.impl": "window", "rollout.pallas_splits": 3})
+
+
+def test_the_cosine_decay_follows_run_steps_unless_given_its_own_length():
+  """Before: configs/grpo_task.py linked optim.total_steps to run.steps (a FieldReference), so
+  --config.optim.total_steps=10 also cut the run to 10 steps."""
+  cfg = from_config_dict(load_config("grpo_task", "tiny"))
+  assert cfg.optim.schedule == "cosine" and cfg.optim.total_steps == cfg.run.steps == 300
+  cfg = from_config_dict(load_config("grpo_task", "tiny", **{"run.steps": 40}))
+  assert cfg.optim.total_steps == cfg.run.steps == 40
+  cfg = from_config_dict(load_config("grpo_task", "tiny", **{"optim.total_steps": 10}))
+  assert cfg.optim.total_steps == 10 and cfg.run.steps == 300
+  cfg = from_config_dict(load_config("grpo_task", "tiny", **{"run.steps": 0, "optim.warmup_steps": 5}))
+  assert cfg.optim.total_steps == 6  # a run within its warm-up never reaches the decay
+  cfg = from_config_dict(load_config("grpo_task", "small"))  # the constant schedule keeps its 0
+  assert cfg.optim.schedule == "constant" and cfg.optim.total_steps == 0

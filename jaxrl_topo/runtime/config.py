@@ -97,8 +97,8 @@ class RunConfig:
     return TrainConfig(loss=self.rl, optim=self.optim, lora=self.lora, seed=self.run.seed)
 
 
-# "run" first: other sections' values follow its keys (configs set optim.total_steps from run.steps), so a bad
-# run.steps is reported as itself, not as the optim key that copied it
+# "run" first: other sections' values follow its keys (optim.total_steps 0 follows run.steps), so a bad run.steps
+# is reported as itself, not as the optim key that copied it
 _SECTIONS = {"run": RunSpec, "model": ModelSpec, "data": PromptDataConfig, "rollout": RolloutSpec,
              "reward": RewardSpec, "rl": LossConfig, "optim": OptimConfig, "lora": LoraConfig, "train": TrainSpec,
              "sync": SyncSpec, "env": EnvSpec}
@@ -114,10 +114,23 @@ def from_config_dict(config: Any) -> RunConfig:
       raise ValueError(f"config: unknown section {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
   sections = {}
   for name, cls in _SECTIONS.items():
-    sections[name] = build_dataclass(cls, config.get(name, {}), name)
+    raw = config.get(name, {})
+    if name == "optim" and isinstance(raw, dict):
+      raw = _decay_over_the_run(raw, sections["run"].steps)
+    sections[name] = build_dataclass(cls, raw, name)
   sections["topology"] = TopologyConfig.from_dict(config.get("topology", {"mode": "colocated", "trainer": {},
                                                                            "rollout": {}}))
   return RunConfig(**sections)
+
+
+def _decay_over_the_run(optim: dict, steps: int) -> dict:
+  """optim.total_steps left 0 under the cosine schedule: the decay ends with the run, at run.steps (at least
+  warmup_steps + 1: a run no longer than its warm-up never reaches the decay). A config that linked the two keys
+  (a FieldReference) made --config.optim.total_steps=N set run.steps to N as well."""
+  warmup = optim.get("warmup_steps", OptimConfig.warmup_steps)
+  if optim.get("schedule") != "cosine" or optim.get("total_steps", 0) != 0 or not isinstance(warmup, int):
+    return optim
+  return {**optim, "total_steps": max(steps, warmup + 1)}
 
 
 # ---------------------------------------------------------------- the ConfigDict every config file starts from

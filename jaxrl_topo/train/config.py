@@ -27,7 +27,7 @@ class OptimConfig:
   lr: float = 1e-6
   schedule: str = "constant"
   warmup_steps: int = 0
-  total_steps: int = 0  # needed by the cosine schedule
+  total_steps: int = 0  # the cosine schedule's length (from a run's config, 0 means run.steps)
   final_lr_frac: float = 0.0
   b1: float = 0.9
   b2: float = 0.999
@@ -51,7 +51,7 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.weight_decay_mask={self.weight_decay_mask!r}; expected one of {DECAY_MASKS}")
     if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
       raise ValueError(f"OptimConfig.total_steps={self.total_steps} must be > warmup_steps={self.warmup_steps} for "
-                       "the cosine schedule (configs set total_steps from run.steps)")
+                       "the cosine schedule (a run's config may leave it 0: the decay then ends at run.steps)")
     check_ranges("OptimConfig", self, warmup_steps=">=0", max_grad_norm=">=0", final_lr_frac="0..1", b1="0..1",
                  b2="0..1", eps=">0", weight_decay=">=0")
 
