@@ -237,3 +237,31 @@ def test_eval_scores_by_hand():
 
   none = evaluate_metrics(SimpleNamespace(heldout=[], cfg=SimpleNamespace(run=SimpleNamespace(eval_samples=3))))
   assert none.keys() == {"eval/accuracy", "eval/pass@3"} and all(np.isnan(v) for v in none.values())
+
+
+def test_a_kill_between_a_steps_histogram_and_its_line_redoes_both(tmp_path, monkeypatch):
+  """Before: the metrics line went first; a Ctrl-C before the staleness histogram lost it for good (lost_line reads
+  metrics.jsonl only: a resume went on from the next step, histograms.jsonl short of the step)."""
+  from run_fixtures import tiny_cfg
+
+  from jaxrl_topo.runtime import run
+
+  cfg = tiny_cfg("async", 8)
+  m = {"loss": 0.5, "_lags": [0, 1, 1]}
+  landed = run.landed_meta(m)
+  writer = M.MetricsWriter(str(tmp_path), total_steps=8, tensorboard=False, progress=False)
+
+  def killed(*a, **k):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(writer, "log_histogram", killed)
+  with pytest.raises(KeyboardInterrupt):
+    run._log_step(cfg, writer, 7, dict(m))
+  writer.close(plot=False)
+  assert run.lost_line(cfg, str(tmp_path), 8, landed)  # the resume logs step 7 again: its histogram and its line
+  monkeypatch.undo()
+  writer = M.MetricsWriter(str(tmp_path), total_steps=8, tensorboard=False, progress=False, start_step=7, resume=True)
+  run._log_step(cfg, writer, 7, run.landed_metrics(landed))
+  writer.close(plot=False)
+  assert not run.lost_line(cfg, str(tmp_path), 8, landed)
+  assert [r["step"] for r in M.read_jsonl(str(tmp_path / "histograms.jsonl"))] == [7]

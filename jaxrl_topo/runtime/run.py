@@ -259,9 +259,9 @@ def _has_line(workdir: str, step: int) -> bool:
 def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) -> None:
   lags = m.pop("_lags", None)  # each token's staleness: the step's histogram
   if writer is not None and _logs(cfg, step, "eval/accuracy" in m):
+    if lags is not None:  # first: the metrics.jsonl line marks the step logged (lost_line), a kill between
+      writer.log_histogram(step, "staleness", [int(x) for x in lags])  # the two leaves both redone on resume
     writer.log(step, {k: v for k, v in m.items() if not k.startswith("_")})
-    if lags is not None:
-      writer.log_histogram(step, "staleness", [int(x) for x in lags])
 
 
 def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict | None,
