@@ -113,3 +113,21 @@ def test_weights_or_a_batch_that_do_not_divide_over_the_meshes_are_refused_unbui
   c.topology = dict(mode="disaggregated", trainer={"data": 2, "fsdp": 2}, rollout={"data": 2, "tensor": 2})
   cfg = from_config_dict(c)
   preflight.check_shapes(cfg, carve(cfg.topology))  # 16 x 16 sequences over 4 ways; 4 heads, 2 kv heads over 2
+
+
+def test_cudnn_attention_without_a_gpu_is_refused_unbuilt():
+  """Before: --config.model.attention=cudnn on a CPU failed in the warm-up with JAX's 'cuDNN is not detected'
+  traceback (exit 1), leaving a workdir."""
+  import jax
+
+  from jaxrl_topo.topology.carve import carve
+
+  c = _config(**{"model.attention": "cudnn"})
+  c.topology = dict(mode="colocated", trainer={"fsdp": 2}, rollout={"data": 2})
+  cfg = from_config_dict(c)
+  if jax.default_backend() == "gpu":
+    pytest.skip("cuDNN may run here")
+  with pytest.raises(ValueError, match=r"model.attention='cudnn' runs on a GPU only \(the trainer's devices are cpu\)"):
+    preflight.check_shapes(cfg, carve(cfg.topology))
+  c.model.attention = "auto"
+  preflight.check_shapes(from_config_dict(c), carve(cfg.topology))

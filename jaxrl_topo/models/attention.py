@@ -196,6 +196,9 @@ def training_attention(requested: str, *, platform: str, dtype: str, packed: boo
   """The implementation a run trains with: `requested`, unless it is "auto": cuDNN on a GPU where its limits allow
   (an Ampere or newer GPU, bf16 compute, padded rows, head_dim a multiple of 8 and at most 128; measured 6.6x
   faster than flash at 128-token tiles on an H200, benchmarks/RESULTS.md), else flash (packed rows, fp32, CPU)."""
+  if requested == "cudnn" and platform != "gpu":  # before: "cuDNN is not detected" from JAX, inside the warm-up
+    raise ValueError(f"model.attention='cudnn' runs on a GPU only (the trainer's devices are {platform}): use "
+                     "'auto' (cuDNN where it can run), 'flash' or 'xla'")
   if requested != "auto":
     return requested
   try:  # CUDA's "9.0"; None, or a ROCm GPU's "gfx90a": no cuDNN

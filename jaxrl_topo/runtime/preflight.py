@@ -86,16 +86,20 @@ def check_shapes(cfg: RunConfig, topology) -> None:
   """Raises ValueError when the model's weights do not divide over the carved `topology`'s meshes (the build's
   `carve.check_model_fits`: heads, kv heads, mlp, vocab over `tensor`, embed over `fsdp`), or a step's
   data.batch_size x rl.group_size sequences do not split into run.n_micro microbatches that divide over the
-  trainer's data-parallel axes (the first step's `check_batch`). From abstract shapes: nothing is compiled,
-  allocated or written."""
+  trainer's data-parallel axes (the first step's `check_batch`), or model.attention='cudnn' has no GPU. From
+  abstract shapes: nothing is compiled, allocated or written."""
+  from jaxrl_topo.models.attention import training_attention
   from jaxrl_topo.models.model import abstract_model
   from jaxrl_topo.review.step_bytes import model_config
   from jaxrl_topo.topology.carve import check_model_fits
   from jaxrl_topo.topology.rules import TRAIN_RULES
   from jaxrl_topo.train.step import batch_axes
 
-  _, abstract = abstract_model(model_config(cfg)[0])
+  model_cfg = model_config(cfg)[0]
+  _, abstract = abstract_model(model_cfg)
   check_model_fits(topology, abstract)
+  training_attention(cfg.model.attention, platform=topology.trainer.devices.flat[0].platform, dtype=cfg.model.dtype,
+                     packed=cfg.train.max_tokens_per_row > 0, head_dim=model_cfg.head_dim)  # cuDNN needs a GPU
   batch, group, n_micro = cfg.data.batch_size, cfg.rl.group_size, cfg.run.n_micro
   seqs, axes = batch * group, batch_axes(topology.trainer, TRAIN_RULES)
   ways = math.prod(topology.trainer.shape[a] for a in axes)
