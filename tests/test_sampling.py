@@ -213,18 +213,26 @@ def test_configs_built_in_python_check_their_scalar_types():
   deep in a jit or a schedule (OptimConfig(warmup_steps=2.5) trained with a fractional warm-up). NumPy scalars
   stand for Python ones; an int stands for a float; a bool stands for no number."""
   from jaxrl_topo.rollout.engine_config import EngineConfig
-  from jaxrl_topo.train.config import LossConfig, OptimConfig
+  from jaxrl_topo.train.batch import Completion
+  from jaxrl_topo.train.config import LoraConfig, LossConfig, OptimConfig, TrainConfig
 
   for make, says in [
       (lambda: OptimConfig(warmup_steps=2.5), "OptimConfig.warmup_steps=2.5 must be of type int, not float"),
       (lambda: OptimConfig(lr=True), "OptimConfig.lr=True must be of type float, not bool"),
       (lambda: LossConfig(group_size=4, clip_low="0.2"), "LossConfig.clip_low='0.2' must be of type float, not str"),
-      (lambda: EngineConfig(n_slots=8.0), "EngineConfig.n_slots=8.0 must be of type int, not float")]:
+      (lambda: EngineConfig(n_slots=8.0), "EngineConfig.n_slots=8.0 must be of type int, not float"),
+      # before: a bare string adapted v_proj alone (matched by letters), a dict loss and a str seed passed
+      (lambda: LoraConfig(rank=4, targets="qkv_proj"), "LoraConfig.targets='qkv_proj' must be a tuple of projection"),
+      (lambda: TrainConfig(loss={"group_size": 4}), "TrainConfig.loss must be a LossConfig, not dict"),
+      (lambda: TrainConfig(loss=LossConfig(group_size=4), seed="0"), "TrainConfig.seed='0' must be of type int")]:
     with pytest.raises(ValueError, match=re.escape(says)):
       make()
   assert EngineConfig(n_slots=np.int64(4), page_size=8).n_slots == 4
   assert OptimConfig(lr=1, max_grad_norm=np.float32(0.5)).lr == 1
   assert SamplingConfig(temperature=np.float64(0.7), top_k=np.int32(3)).top_k == 3
+  assert Completion(np.array([1, 2]), np.array([3]), 1.0, np.array([-0.5])).reward == 1.0  # before: "truth value"
+  with pytest.raises(ValueError, match="non-empty prompt"):
+    Completion(np.array([], np.int32), [3], 1.0, [-0.5])
 
 
 def test_config_truncates_and_greedy_accepts_zero_temperature():

@@ -60,7 +60,7 @@ class Completion:
       raise ValueError(f"sampler_logp has {len(self.sampler_logp)} entries for {len(self.response)} response tokens")
     if len(self.loss_mask) not in (0, len(self.response)):
       raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.response)} response tokens")
-    if not self.prompt:
+    if len(self.prompt) == 0:  # (an array prompt has no truth value)
       raise ValueError("a completion needs a non-empty prompt (the first response token is predicted from it)")
 
 

@@ -179,6 +179,10 @@ class LoraConfig:
 
   def __post_init__(self):
     check_ranges("LoraConfig", self, rank=">=0", alpha=">0")
+    if not isinstance(self.targets, tuple | list) or not all(isinstance(t, str) for t in self.targets):
+      # a bare string matched by letters: targets="qkv_proj" adapted v_proj alone ("v_proj" in "qkv_proj")
+      raise ValueError(f"LoraConfig.targets={self.targets!r} must be a tuple of projection names, e.g. "
+                       "('q_proj', 'v_proj')")
     if self.rank > 0 and not self.targets:
       raise ValueError("LoraConfig.targets is empty: name the projections to adapt (q_proj, ...) or set rank 0")
 
@@ -193,3 +197,9 @@ class TrainConfig:
   optim: OptimConfig = OptimConfig()
   lora: LoraConfig = LoraConfig()
   seed: int = 0
+
+  def __post_init__(self):
+    check_types("TrainConfig", self)  # seed="0" passed before
+    for name, kind in (("loss", LossConfig), ("optim", OptimConfig), ("lora", LoraConfig)):
+      if not isinstance(getattr(self, name), kind):  # loss={...} passed before, then failed deep in a trace
+        raise ValueError(f"TrainConfig.{name} must be a {kind.__name__}, not {type(getattr(self, name)).__name__}")
