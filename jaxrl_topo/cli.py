@@ -232,6 +232,14 @@ def unescape(text: str) -> str:
   return re.sub(r"\\([nt\\])", lambda m: escapes[m.group(1)], text)
 
 
+def unescape_stops(config) -> None:
+  r"""A run's ConfigDict with rollout.stop's strings unescaped (`unescape`), as generate.py reads --stop: before,
+  --config.rollout.stop='\n' stopped at a backslash and an n, which no completion held."""
+  stops = config.rollout.stop if "rollout" in config and "stop" in config.rollout else None
+  if isinstance(stops, list | tuple):
+    config.rollout.stop = tuple(unescape(s) if isinstance(s, str) else s for s in stops)
+
+
 def _flag_owner() -> dict:
   """define_*_flags' module_name for the launcher that called it: absl's --help lists only a script's own flags,
   and a flag defined here would otherwise belong to this module."""

@@ -71,6 +71,7 @@ def main(argv: Sequence[str]) -> None:
     start_over,
   )
 
+  cli.unescape_stops(_CONFIG.value)  # --config.rollout.stop='\n' is a newline, as generate.py's --stop
   cfg = from_config_dict(_CONFIG.value)  # validated before jax starts
   preflight(cfg)
   check_data(cfg)  # the prompts build: a bad task or data file fails before the workdir is touched

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from run_fixtures import load_config
 from subproc import cpu_env
 
 from launchers import local_multiprocess
@@ -346,3 +347,11 @@ def test_unescape_reads_a_shells_backslash_escapes():
 
   assert cli.unescape(r"\n") == "\n" and cli.unescape(r"</a>\t") == "</a>\t"
   assert cli.unescape(r"a\\nb") == "a\\nb" and cli.unescape("答案\n") == "答案\n" and cli.unescape(r"\x") == r"\x"
+  # train.py's --config.rollout.stop='\n' and a mux job's rollout.stop (before: config.json held ['\\n'], never met)
+  from jaxrl_topo.mux.jobs import parse_job
+
+  config = load_config("grpo_task", "tiny", **{"rollout.stop": (r"\n", r"</a>\t", 5)})
+  cli.unescape_stops(config)
+  assert config.rollout.stop == ("\n", "</a>\t", 5)  # (a non-string is left for the config's own check)
+  _, job = parse_job(os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", [r"rollout.stop=('\n',)"], 0)
+  assert job.rollout.stop == ("\n",)

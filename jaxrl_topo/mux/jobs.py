@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jaxrl_topo.cli import UserError, apply_override
+from jaxrl_topo.cli import UserError, apply_override, unescape_stops
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -33,6 +33,7 @@ def parse_job(spec: str, common: Sequence[str], index: int):
     apply_override(config, item, f"--config.{item}")
   for item in own:
     apply_override(config, item, f"job {job_id}: override {item!r}")
+  unescape_stops(config)  # rollout.stop='\n' is a newline, as train.py reads it
   return job_id, config
 
 
