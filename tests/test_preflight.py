@@ -33,7 +33,9 @@ def test_bad_data_is_refused_with_nothing_written(tmp_path, monkeypatch, overrid
 def test_a_task_config_takes_a_file_source(tmp_path):
   """configs/grpo_task.py with --config.data.source=FILE: the file's rows are the prompts (the task's knobs go
   unused). Before: 'task.name 'reversal' does not match source', and no way to unset data.task from the command
-  line. A file source needs held-out prompts of its own, which check_data asks for before anything is written."""
+  line. A file source needs held-out prompts of its own, which check_data asks for before anything is written, and
+  the config's `task` reward a "task" field in each row (before: missing, the run trained through the warm-up and
+  a few steps, then stopped on the reward's error)."""
   rows = tmp_path / "rev.jsonl"
   rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1]}) + "\n"
                           for w in ("abcd", "fade", "cafe", "bead")))
@@ -41,7 +43,15 @@ def test_a_task_config_takes_a_file_source(tmp_path):
   assert cfg.data.task is None and workdir.identity(cfg)["data.task"] is None
   with pytest.raises(ValueError, match="No held-out prompts: set eval_source"):
     preflight.check_data(cfg)
-  preflight.check_data(from_config_dict(_config(**{"data.source": str(rows), "data.eval_source": str(rows)})))
+  files = {"data.source": str(rows), "data.eval_source": str(rows)}
+  with pytest.raises(ValueError, match=re.escape(f"data.source={str(rows)!r} row 0 has no 'task' field; add it")):
+    preflight.check_data(from_config_dict(_config(**files)))
+  rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1], "task": t}) + "\n"
+                          for w, t in (("abcd", "reversal"), ("fade", "exact"), ("cafe", "revers"))))
+  with pytest.raises(ValueError, match="row 2 names task 'revers', which has no verifier"):
+    preflight.check_data(from_config_dict(_config(**files)))
+  rows.write_text(rows.read_text().replace("revers\"", "reversal\""))
+  preflight.check_data(from_config_dict(_config(**files)))
   with pytest.raises(ValueError, match=re.escape(  # a task source still must match its task, and says how
       "does not match source 'arithmetic': another built-in task needs both (--config.data.source=arithmetic "
       "--config.data.task.name=arithmetic)")):
@@ -63,7 +73,7 @@ def test_a_batch_the_prompts_cannot_fill_is_refused_with_nothing_written(tmp_pat
   assert not os.listdir(tmp_path)
   preflight.check_data(from_config_dict(_config(**{"data.batch_size": 8000})))
   rows = tmp_path / "rev.jsonl"  # 4 rows kept, 1 over the tiny config's max_prompt_len=16 (skipped)
-  rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1]}) + "\n"
+  rows.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "answer": w[::-1], "task": "reversal"}) + "\n"
                           for w in ("abcd", "fade", "cafe", "bead", "a" * 40)))
   files = {"data.source": str(rows), "data.eval_source": str(rows)}
   with pytest.raises(ValueError, match=re.escape("data.batch_size=33 is over 8 x the 4 training prompts (32)")):

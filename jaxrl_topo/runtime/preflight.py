@@ -31,14 +31,33 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.model.hf_dir is None:  # a preset: the char tokenizer its init_model/ will hold
       save_char_tokenizer(tmp)
     tokenizer = Tokenizer.from_dir(cfg.model.hf_dir or tmp)
-    n = pipeline.load_prompts(cfg.data, tokenizer, "train").stats.n_kept
-    pipeline.load_prompts(cfg.data, tokenizer, "heldout")
+    train = pipeline.load_prompts(cfg.data, tokenizer, "train")
+    heldout = pipeline.load_prompts(cfg.data, tokenizer, "heldout")
+  if "task" in [name for name, _ in cfg.reward.fns]:
+    _check_task_fields(train.examples, "data.source", cfg.data.source)
+    _check_task_fields(heldout.examples, "data.eval_source", cfg.data.eval_source or cfg.data.source)
+  n = train.stats.n_kept
   batch, most = cfg.data.batch_size, MAX_BATCH_PER_PROMPT * n
   if batch > most:
     raise ValueError(f"data.batch_size={batch} is over {MAX_BATCH_PER_PROMPT} x the {n} training prompts ({most}): "
                      f"each step would hold every prompt about {round(batch / n)} times; lower data.batch_size to "
                      f"{most} or less ({n} or less holds a prompt at most once a step, twice in a step that crosses "
                      f"an epoch), or add prompts")
+
+
+def _check_task_fields(examples, key: str, source) -> None:
+  """The `task` reward reads each row's "task" (its verifier: data/tasks.VERIFIERS): before, a prompt file without
+  one trained through the warm-up and a few steps, then stopped on a reward error."""
+  from jaxrl_topo.data.tasks import VERIFIERS
+
+  for ex in examples:
+    task = ex.get("task")
+    if task not in VERIFIERS:
+      row = ex.get("source_row", "?")
+      said = "has no 'task' field" if task is None else f"names task {task!r}, which has no verifier"
+      raise ValueError(f"reward.fn='task' scores each row by its 'task' field (one of {sorted(VERIFIERS)}; "
+                       f"'exact' matches 'answer'): {key}={source!r} row {row} {said}; add it, or set reward.fn "
+                       "to a reward of your own")
 
 
 def check_model(cfg: RunConfig) -> None:
