@@ -127,6 +127,24 @@ def _leave(code: int) -> None:
   sys.exit(code)
 
 
+def exit_now(code: int) -> None:
+  """Leaves at once (os._exit) after a Ctrl-C, the `with`/`finally` blocks already run: threads may still be inside
+  XLA (a compile, a job's step), and an interpreter shutdown around them crashes (status 139 in train.py's warm-up,
+  134 in mux.py, after the 'interrupted' line). os._exit skips multiprocessing's exit handling, so the reward
+  workers (which ignore SIGINT) are stopped here first."""
+  import logging
+  import multiprocessing
+
+  for child in multiprocessing.active_children():
+    child.terminate()
+  for child in multiprocessing.active_children():
+    child.join(timeout=5)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
 def _want_traceback() -> bool:
   if _flags_parsed():
     return bool(_TRACEBACK.value)
@@ -268,7 +286,7 @@ def launch(main: Callable[[list[str]], None], interrupted: str | Callable[[], st
   except KeyboardInterrupt:
     said = interrupted() if callable(interrupted) else interrupted
     print(f"interrupted{'; ' + said if said else ''}", file=sys.stderr)
-    _leave(130)
+    exit_now(130)
   except Exception as e:  # noqa: BLE001 - every failure ends here, shown once
     pid = ""
     if _distributed():

@@ -89,18 +89,10 @@ def main(argv: Sequence[str]) -> None:
     try:
       _run_group(group, workdir, specs)
     except KeyboardInterrupt:  # Group.run let the checkpoints being written commit first
-      # The jobs' threads are still inside XLA: an interpreter shutdown around them aborts (before: status 134,
-      # 'Fatal Python error: Aborted'), so leave at once; each job's metrics lines are on disk as they were logged.
-      # os._exit skips multiprocessing's exit handling: the reward workers (which ignore SIGINT) are stopped here.
-      import multiprocessing
-
-      for child in multiprocessing.active_children():
-        child.terminate()
-      for child in multiprocessing.active_children():
-        child.join(timeout=5)
+      # The jobs' threads are still inside XLA (before: status 134, 'Fatal Python error: Aborted'): leave at once;
+      # each job's metrics lines are on disk as they were logged.
       print(f"interrupted; {RESUME}", file=sys.stderr, flush=True)
-      sys.stdout.flush()
-      os._exit(130)
+      cli.exit_now(130)
 
 
 def _run_group(group, workdir: str, specs) -> None:

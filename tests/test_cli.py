@@ -355,3 +355,27 @@ def test_unescape_reads_a_shells_backslash_escapes():
   assert config.rollout.stop == ("\n", "</a>\t", 5)  # (a non-string is left for the config's own check)
   _, job = parse_job(os.path.join(ROOT, "configs", "grpo_task.py") + ":tiny", [r"rollout.stop=('\n',)"], 0)
   assert job.rollout.stop == ("\n",)
+
+
+def test_a_ctrl_c_while_xla_compiles_in_another_thread_exits_130():
+  """Before: the interpreter's shutdown ran around a thread still inside an XLA compile and crashed after the
+  'interrupted' line (train.py's warm-up: status 139, a segfault, 7 runs in 8 by hand; here SIGABRT). Now
+  cli.exit_now leaves at once."""
+  code = ("import threading, time\n"
+          "from jaxrl_topo import cli\n"
+          "def compile_long():\n"
+          "  import jax, jax.numpy as jnp\n"
+          "  def f(x):\n"
+          "    for i in range(3000):\n"
+          "      x = jnp.sin(x) * (i + 1) + jnp.cos(x[::-1])\n"
+          "    return x\n"
+          "  jax.jit(f).lower(jnp.ones(64)).compile()\n"
+          "def main(argv):\n"
+          "  threading.Thread(target=compile_long, daemon=True).start()\n"
+          "  time.sleep(3)\n"
+          "  raise KeyboardInterrupt\n"
+          "cli.launch(main, interrupted='resume')\n")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env={**env, "JAX_PLATFORMS": "cpu"})  # a compile of its own, not the cache's, at XLA's usual -O
+  assert r.returncode == 130 and r.stderr.strip().endswith("interrupted; resume"), (r.returncode, r.stderr[-2000:])
