@@ -7,6 +7,9 @@ Writes record.md, record.json, timelines.png and (with n_devices >= 2, devices t
 into --out. Without --workdir the simulator runs on the stated assumptions; with it, on the run's
 measured spans, and the record adds
 the measured breakdown and staleness (exiting non-zero if the staleness bound was ever exceeded).
+With both, the record is a what-if for --config (another mesh, mode or bound) on the run's measured phase
+times; the run's observed staleness is checked against the run's own bound (its config.json), not --config's.
+--out must be a directory of its own: a run's workdir or its folders, a group's or a model's are refused.
 A --workdir of launchers/mux.py (a co-execution group, no --config) gets group.md, group.json and
 group_timeline.png instead: every job's phases on each pool, from the group's mux_spans.jsonl.
 """
@@ -43,8 +46,9 @@ def main(argv: Sequence[str]) -> None:
 
   if _CONFIG.value is None and _WORKDIR.value is None:
     raise app.UsageError("give --config, or --workdir of a run (its config.json is used)")
-  from jaxrl_topo.review import group
+  from jaxrl_topo.review import group, outdir
 
+  outdir.check_out(_OUT.value, _WORKDIR.value)  # before anything is read or written
   if _CONFIG.value is None and group.is_group(_WORKDIR.value):  # a co-execution group (launchers/mux.py)
     fig = group.write_group_record(_WORKDIR.value, _OUT.value)
     print(group.to_markdown(fig))

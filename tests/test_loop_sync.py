@@ -72,6 +72,9 @@ def test_lora_sync_ships_adapters_only_and_merges_on_the_rollout_side(tmp_path):
   finally:
     exp.close()
   assert [r["sync/bytes"] for r in records] == [4.0 * n_adapter] * 2  # fp32 adapters, nothing else
+  from jaxrl_topo.review.step_bytes import step_bytes
+
+  assert records[0]["sync/bytes"] == step_bytes(_cfg(2, **kw, **{"sync.mode": "lora"})).sync_per_step  # the review's
   assert records[0]["sync/bytes"] < full[0]["sync/bytes"] / 10
   for got, want in zip(jax.tree.leaves(rollout_w), jax.tree.leaves(trainer), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged on the rollout devices

@@ -116,6 +116,27 @@ def test_tiny_lora_sync_matches_transfer_plan():
                                                   lora_targets=lcfg.targets) == 10_240
 
 
+@pytest.mark.parametrize("mode, want", [("colocated", 0), ("disaggregated", 4 * 8_192)])
+def test_lora_sync_per_step_matches_the_plan_a_run_builds(mode, want):
+  """A sync.mode=lora run sends its adapters as runtime/sync.py's WeightSync plans them: fp32, replicated on the
+  trainer (train/state.py) -> replicated on the rollout mesh. Colocated, both meshes span one device list, so every
+  adapter is aliased and a sync moves 0 bytes (a run logs sync/bytes=0). Before: the record predicted 32,768 bytes
+  (3.28e-05 GB) a step for the colocated run; the disaggregated prediction (32,768) already matched."""
+  topo_cfg = TopologyConfig(mode=mode, trainer_axes=(("fsdp", 4),), rollout_axes=(("data", 2), ("tensor", 2)))
+  topo, lcfg = carve(topo_cfg), LoraConfig(rank=4)
+  adapters = jax.eval_shape(lambda p: init_lora(p, lcfg, jax.random.key(0)), abstract_model(TINY)[1].shapes)
+  src = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), adapters,
+                     replicated(adapters, topo.trainer))
+  plan = TransferPlan.build(src, replicated(adapters, topo.rollout), mode="lora")
+  assert plan.bytes_total == rb.lora_sync_plan_bytes(TINY, topo_cfg, 4) == want
+  c = _config("grpo_task")
+  c["topology"] = dict(mode=mode, trainer={"fsdp": 4}, rollout={"data": 2, "tensor": 2})
+  c["lora"]["rank"], c["sync"] = 4, {"mode": "lora"}
+  sb = sb_lib.step_bytes(from_config_dict(c))
+  assert sb.totals()["sync"] == sb.sync_per_step == want
+  assert sb.sync_lora == 4 * 8_192  # the adapters' own size (the memory fit's trained state) is unchanged
+
+
 def test_qwen25_7b_sanity():
   n = num_params(QWEN7)  # 7,615,616,512
   assert rb.weight_sync_bytes(QWEN7) == 2 * n == 15_231_233_024

@@ -107,3 +107,44 @@ def test_record_compares_train_without_the_logprob_pre_pass(tmp_path):
   assert fig["sim_params"]["train_s"] == pytest.approx(3.0)
   train = next(cmp for cmp in fig["overlap"]["comparisons"] if cmp["phase"] == "train")
   assert train["predicted_s"] == pytest.approx(2.0) and not train["flagged"]
+
+
+def _disaggregated_run(workdir, lag: int = 1):
+  """A measured disaggregated run (eta=1, batch 4 x 4) with its own config.json, every step's tokens `lag` old."""
+  from run_fixtures import load_config
+
+  from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  c = load_config("grpo_task", "tiny", **{"data.batch_size": 4, "rl.group_size": 4, "rollout.continuous": False})
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 4})
+  R, T = [0, 1, 2, 3], [4, 5, 6, 7]
+  _synthetic_run(workdir, [dict(phase="rollout", devices=R, start=0, end=4),
+                           dict(phase="train", devices=T, start=4, end=7),
+                           dict(phase="sync", devices=T, start=7, end=8)])
+  (workdir / "histograms.jsonl").write_text(
+      "".join(json.dumps({"step": k, "name": "staleness", "counts": {str(lag): 10}}) + "\n" for k in range(8)))
+  run_lib.save_config(run_lib.config_dict(from_config_dict(c)), str(workdir))
+
+
+def test_a_what_if_config_checks_the_runs_lags_against_the_runs_own_bound(tmp_path):
+  """review.py --config=<colocated> --workdir=<a disaggregated run> is a what-if on the run's phase times. Before:
+  the run's lag-1 tokens were checked against the colocated config's eta=0, and the review died with
+  StalenessViolation ("this is a bug, not a setting"). Now they are checked against the run's own eta=1 (its
+  config.json), the record shows both bounds, and the spans are fitted at the run's batch (16 sequences, not 256)."""
+  from run_fixtures import load_config
+
+  from jaxrl_topo.review.audit import StalenessViolation
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  _disaggregated_run(tmp_path / "run")
+  what_if = from_config_dict(load_config("grpo_task", "tiny"))  # colocated, eta 0, batch 16 x 16
+  fig = write_record(what_if, str(tmp_path / "record"), workdir=str(tmp_path / "run"))
+  assert fig["staleness"]["eta"] == 0 and fig["staleness"]["max_observed_lag"] is None
+  assert fig["run_staleness"]["eta"] == 1 and fig["run_staleness"]["max_observed_lag"] == 1
+  assert fig["sim_params"]["batch_seqs"] == 16 and fig["sim_params"]["eta"] == 1  # colocated's rows simulate eta 1
+  page = (tmp_path / "record" / "record.md").read_text()
+  assert "Measured under the run's own bound (disaggregated, eta = 1)" in page
+  _disaggregated_run(tmp_path / "bad", lag=2)  # past the run's own bound: still a loud failure
+  with pytest.raises(StalenessViolation, match="eta=1"):
+    write_record(what_if, str(tmp_path / "record2"), workdir=str(tmp_path / "bad"))

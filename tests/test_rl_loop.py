@@ -247,6 +247,12 @@ def test_a_resumed_lora_run_samples_from_the_warmed_up_base(tmp_path):
   summary = run_lib.train(tiny_cfg("colocated", steps=2, **lora), str(tmp_path), progress=False)
   assert summary["resumed_from"] == 1
   assert [r["logprob_gap/max"] < 1e-4 for r in read_metrics(str(tmp_path))] == [True, True]
+  # Colocated, the adapters alias (one device list): no sync moves a byte, as the data-path review predicts (before:
+  # 32,768 bytes a step predicted; test_loop_sync.py checks the disaggregated run's).
+  from jaxrl_topo.review.step_bytes import step_bytes
+
+  want = step_bytes(tiny_cfg("colocated", steps=2, **lora)).sync_per_step
+  assert [r["sync/bytes"] for r in read_metrics(str(tmp_path))] == [want, want] == [0, 0]
 
 
 def test_review_warns_when_the_run_is_of_another_model(launched, tmp_path):

@@ -12,7 +12,8 @@ Bytes are exact integers; 1 GB = 1e9 bytes. What moves in one step, and the mode
                              d_in/d_out from the real kernel shapes (o_proj: d_in = N*H); the engine keeps them fp32.
                    `sync_plan_bytes` reproduces TransferPlan's full-sync accounting exactly: per rollout device the
                    bytes of its shards in the ROLLOUT_RULES layout; a colocated leaf whose dtype and device layout
-                   are unchanged is aliased (zero-copy) and costs 0.
+                   are unchanged is aliased (zero-copy) and costs 0. `lora_sync_plan_bytes` likewise: the
+                   adapters are replicated fp32 on both meshes, so colocated (one device list) they alias: 0 a step.
   rollout payload  rollout -> host -> trainer: the trainer batch (one sequence per row, padded to P + C tokens, as
                    the loop lays it out), with its on-policy token mask and per-sequence rewards. An upper bound: every
                    prompt and completion at its length limit.
@@ -177,6 +178,16 @@ def weight_sync_bytes(model_cfg: ModelConfig, *, dtype: Any = "bfloat16", mode: 
     n_adapter = lora_adapter_params(model_cfg, lora_rank, targets)
   n = sum(leaf.size for leaf in param_leaves(model_cfg))
   return round(sync_bytes(n, dtype=dtype, mode=mode, changed_frac=changed_frac, n_adapter_params=n_adapter))
+
+
+def lora_sync_plan_bytes(model_cfg: ModelConfig, topology: TopologyConfig, lora_rank: int,
+                         lora_targets: Sequence[str] | None = None) -> int:
+  """TransferPlan's bytes_total for a sync.mode=lora sync (runtime/sync.py): the fp32 adapters, replicated on the
+  trainer (train/state.py) and sent replicated to the rollout mesh. Colocated, carve() builds both meshes over
+  one device list, so every adapter is aliased (same sharding and dtype) and nothing moves."""
+  if topology.colocated:
+    return 0
+  return weight_sync_bytes(model_cfg, dtype="float32", mode="lora", lora_rank=lora_rank, lora_targets=lora_targets)
 
 
 def _layout(leaf: Leaf, rules: Rules, axes: dict[str, int]) -> tuple:

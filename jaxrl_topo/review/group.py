@@ -73,6 +73,9 @@ def to_markdown(fig: Mapping) -> str:
 
 def write_group_record(workdir: str, out_dir: str) -> dict:
   """group.md, group.json and group_timeline.png of a group's workdir into `out_dir`; returns the summary."""
+  from jaxrl_topo.review import outdir
+
+  outdir.check_out(out_dir, workdir)
   spans = read_group_spans(workdir)
   fig = summary(spans)
   os.makedirs(out_dir, exist_ok=True)

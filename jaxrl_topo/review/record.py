@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from jaxrl_topo.review import audit, calibrate, plots, simulator
+from jaxrl_topo.review import audit, calibrate, outdir, plots, simulator
 from jaxrl_topo.review import step_bytes as step_lib
 from jaxrl_topo.runtime.config import RunConfig
 
@@ -97,22 +97,29 @@ def _eta(cfg: RunConfig) -> int:
 
 def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
                  assumptions: Assumptions = Assumptions()) -> dict:
-  """Writes record.md, record.json and the PNGs into `out_dir`; returns the JSON figures."""
-  os.makedirs(out_dir, exist_ok=True)
+  """Writes record.md, record.json and the PNGs into `out_dir`; returns the JSON figures.
+
+  `cfg` is the config the record is for; with `workdir`, a what-if on the run's measured phases: what the run
+  measured (its spans' batch, stream, staleness) is read under the run's own config (its config.json; `cfg`
+  when it has none). The observed lags are checked against the run's bound, not the what-if's."""
+  outdir.check_out(out_dir, workdir)
   mode = cfg.topology.mode
-  spans, histograms, metrics = [], [], []
-  if workdir is not None:  # the run's files (its config is `cfg`: launchers pass the run's config.json)
+  spans, histograms, metrics, ran = [], [], [], cfg
+  if workdir is not None:
     from jaxrl_topo.runtime import metrics as metrics_lib
     from jaxrl_topo.runtime import run as run_lib
+    ran = run_lib.load_config(workdir) if os.path.isfile(os.path.join(workdir, run_lib.CONFIG_FILE)) else cfg
     spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
+  os.makedirs(out_dir, exist_ok=True)
   step = step_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
   sync_bytes = step.sync_per_step
   skip = 1 if len(metrics) > 2 else 0
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
-    params = calibrate.calibrate(spans, batch_seqs=cfg.data.batch_size * cfg.rl.group_size, tokens_per_step=tokens,
-                                 eta=_eta(cfg), skip_steps=skip, stream=cfg.continuous_rollout)
+    params = calibrate.calibrate(spans, batch_seqs=ran.data.batch_size * ran.rl.group_size, tokens_per_step=tokens,
+                                 eta=_eta(ran), skip_steps=skip, stream=ran.continuous_rollout)
+    params = dataclasses.replace(params, eta=_eta(cfg))  # fitted as the run ran; simulated at the config's bound
     source = f"calibrated from the spans of {workdir}"
   else:
     params = sim_params(cfg, assumptions, sync_bytes)
@@ -124,12 +131,18 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   sweep = simulator.sweep_split(params, splits, n_steps=24) if splits else {}
   best = {m: max(sweep, key=lambda s, m=m: sweep[s][m]) for m in modes if m != "colocated"} if sweep else {}
   step = dataclasses.replace(step, steps_per_hour=rates[mode])
-  stale = audit.staleness_audit(cfg, histograms or None, metrics=metrics or None)
+  # The lags were measured under the run's bound: a what-if config at another one shows its own bound, unobserved.
+  apart = _bound(ran) != _bound(cfg)
+  observed = audit.staleness_audit(ran, histograms or None, metrics=metrics or None)
+  stale = audit.staleness_audit(cfg) if apart else audit.staleness_audit(cfg, histograms or None,
+                                                                           metrics=metrics or None)
   fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
          "staleness": stale.to_dict(), "simulator_source": source, "sim_params": dataclasses.asdict(params),
          "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
          "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions),
          "memory": memory_fit(step, mode, assumptions.device_memory_gb)}
+  if apart:
+    fig["run_staleness"] = observed.to_dict()
   predicted = None
   if spans:
     sim = timelines[mode]
@@ -146,9 +159,14 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   with open(os.path.join(out_dir, "record.json"), "w") as f:
     json.dump(fig, f, indent=2, default=str)
   with open(os.path.join(out_dir, "record.md"), "w") as f:
-    f.write(_markdown(cfg, fig, stale, spans, predicted))
-  audit.check_staleness(stale)  # fail loudly, after the record that shows the violation is written
+    f.write(_markdown(cfg, fig, stale, spans, predicted, observed if apart else None))
+  audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
   return fig
+
+
+def _bound(cfg: RunConfig) -> tuple[str, int]:
+  """(mode, eta) a run's observed lags are checked against (colocated forces eta 0)."""
+  return cfg.topology.mode, 0 if cfg.topology.mode == "colocated" else cfg.run.max_staleness
 
 
 def _gb(n: float | None) -> str:
@@ -169,7 +187,8 @@ def _fit_lines(memory: dict, mode: str) -> list[str]:
   return [f"- **WARNING: {warning}**"] if warning else []
 
 
-def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, predicted) -> str:
+def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, predicted,
+              observed: audit.StalenessReport | None = None) -> str:
   b, mode = fig["bytes"], fig["mode"]
   rates = fig["steps_per_hour"]
   lines = [f"# Decision record: {b['model']} ({mode})", "",
@@ -183,14 +202,19 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
            "## Weight sync and bytes per step",
            f"- full sync ({b['sync_dtype']}): {_gb(b['sync_full'])} ({_gb(b['sync_full_per_rollout_device'])} per "
            f"rollout device); delta at {b['changed_frac']:.0%} changed: {_gb(b['sync_delta'])}; "
-           f"LoRA: {_gb(b['sync_lora'])}; this run's sync.mode={b['sync_mode']} sends "
+           f"LoRA: {_gb(b['sync_lora'])}{' (aliased colocated: none moves)' if b['sync_lora_moved'] == 0 else ''}; "
+           f"this run's sync.mode={b['sync_mode']} sends "
            f"{_gb(b['totals']['sync'])} a step",
            f"- rollout payload: {_gb(b['payload']['total'])}; gradient collectives per trainer rank: "
            f"{_gb(b['policy_collectives']['total'])}; reference {_gb(b['reference_collectives'])}, "
            f"critic {_gb(b['critic_collectives']['total'])}"]
   if "per_hour" in b:
     lines.append("- per hour at the simulated rate: " + ", ".join(f"{k} {_gb(v)}" for k, v in b["per_hour"].items()))
-  lines += ["", "## Staleness", stale.to_markdown(), "", "## Overlaps required", f"- {fig['overlaps_required']}"]
+  lines += ["", "## Staleness", stale.to_markdown()]
+  if observed is not None:
+    lines += [f"Measured under the run's own bound ({observed.mode}, eta = {observed.eta}), not this config's:", "",
+              observed.to_markdown()]
+  lines += ["", "## Overlaps required", f"- {fig['overlaps_required']}"]
   if "overlap" in fig:
     lines += ["", "## Measured timeline", audit.overlap_audit(spans, predicted).to_markdown()]
   source = fig["simulator_source"]

@@ -42,6 +42,7 @@ class StepBytes:
   sync_aliased_params: int  # colocated zero-copy leaves
   sync_delta: int  # changed_frac x sync_full
   sync_lora: int | None  # adapters in fp32, if LoRA is on
+  sync_lora_moved: int | None = None  # what a lora sync writes (colocated: 0, aliased); None: sync_lora
   trainer_param_bytes_per_device: int  # the policy's own weights, param dtype, TRAIN_RULES
   rollout_param_bytes_per_device: int  # sync dtype, ROLLOUT_RULES
   payload: dict[str, int]
@@ -56,7 +57,7 @@ class StepBytes:
     if self.sync_mode == "lora":
       if self.sync_lora is None:
         raise ValueError("sync.mode='lora' needs lora.rank > 0")
-      return self.sync_lora
+      return self.sync_lora if self.sync_lora_moved is None else self.sync_lora_moved
     return self.sync_delta if self.sync_mode == "delta" else self.sync_full
 
   def totals(self) -> dict[str, int]:
@@ -100,6 +101,7 @@ def step_bytes(run_cfg: RunConfig, *, changed_frac: float = 0.02, steps_per_hour
       sync_delta=round(b.check_frac(changed_frac) * plan["total"]),
       sync_lora=b.weight_sync_bytes(model_cfg, dtype="float32", mode="lora", lora_rank=lora.rank,
                                     lora_targets=lora.targets) if lora.enabled else None,
+      sync_lora_moved=b.lora_sync_plan_bytes(model_cfg, topo, lora.rank, lora.targets) if lora.enabled else None,
       trainer_param_bytes_per_device=b.per_device_shard_bytes(model_cfg, t_axes, TRAIN_RULES, pdt),
       rollout_param_bytes_per_device=b.per_device_shard_bytes(model_cfg, r_axes, ROLLOUT_RULES, model_cfg.dtype),
       payload=b.rollout_payload_bytes(run_cfg.data.batch_size, lc.group_size, run_cfg.data.max_prompt_len,
