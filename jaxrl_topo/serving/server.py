@@ -24,7 +24,9 @@ import jax
 from jaxrl_topo.rollout.engine_config import engine_options
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
-INSTALL_HINT = "pip install -e '.[jetstream]'  (google-jetstream 0.2.2; it pulls TensorFlow, about 3 GB)"
+INSTALL_HINT = ("make test-jetstream builds .venv-jetstream with it (then run .venv-jetstream/bin/python "
+                "launchers/serve.py ...), or pip install -e '.[jetstream]' into this environment (google-jetstream "
+                "0.2.2; it pulls TensorFlow, about 3 GB)")
 
 
 def require_jetstream() -> None:
