@@ -52,6 +52,11 @@ def test_a_task_config_takes_a_file_source(tmp_path):
     preflight.check_data(from_config_dict(_config(**files)))
   rows.write_text(rows.read_text().replace("revers\"", "reversal\""))
   preflight.check_data(from_config_dict(_config(**files)))
+  rows.write_text(rows.read_text().replace(', "task": "exact"', ""))  # row 1 without one
+  episodes = {**files, "env.fn": "calc", "run.sft_target_accuracy": 0.0}  # the environment scores its episodes
+  preflight.check_data(from_config_dict(_config(**episodes)))
+  with pytest.raises(ValueError, match="row 1 has no 'task' field"):  # ... but the warm-up's accuracy stop reads it
+    preflight.check_data(from_config_dict(_config(**{**episodes, "run.sft_target_accuracy": 0.3})))
   with pytest.raises(ValueError, match=re.escape(  # a task source still must match its task, and says how
       "does not match source 'arithmetic': another built-in task needs both (--config.data.source=arithmetic "
       "--config.data.task.name=arithmetic)")):

@@ -280,3 +280,4 @@ def test_an_optimizer_built_for_another_update_count_is_refused():
   make_train_step(fns, cfg, optax.sgd(0.1), _fresh(cfg, optax.sgd(0.1)))  # an optax chain of the caller's own
   with pytest.raises(ValueError, match=r"updates_per_step=0 must be an int >= 1"):
     make_optimizer(OptimConfig(lr=0.05), 0)
+  assert make_optimizer(OptimConfig(lr=0.05), np.int64(4)).updates_per_step == 4  # as LossConfig takes them

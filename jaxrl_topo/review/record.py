@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import numpy as np
@@ -108,7 +109,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   if workdir is not None:
     from jaxrl_topo.runtime import metrics as metrics_lib
     from jaxrl_topo.runtime import run as run_lib
-    ran = run_lib.load_config(workdir) if os.path.isfile(os.path.join(workdir, run_lib.CONFIG_FILE)) else cfg
+    ran = _run_config(workdir, cfg)
     spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
   os.makedirs(out_dir, exist_ok=True)
@@ -162,6 +163,21 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     f.write(_markdown(cfg, fig, stale, spans, predicted, observed if apart else None))
   audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
   return fig
+
+
+def _run_config(workdir: str, cfg: RunConfig) -> RunConfig:
+  """The run's own config (its config.json), or `cfg` when it has none or it no longer converts (a run recorded
+  under an older schema): then its lags are checked against `cfg`'s bound, as the warning says."""
+  from jaxrl_topo.runtime import run as run_lib
+
+  if not os.path.isfile(os.path.join(workdir, run_lib.CONFIG_FILE)):
+    return cfg
+  try:
+    return run_lib.load_config(workdir)
+  except (ValueError, TypeError, KeyError) as e:
+    logging.warning("%s's config.json does not convert (%s): its staleness is checked against the given config's "
+                    "bound", workdir, e)
+    return cfg
 
 
 def _bound(cfg: RunConfig) -> tuple[str, int]:

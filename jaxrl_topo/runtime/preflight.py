@@ -34,8 +34,12 @@ def check_data(cfg: RunConfig) -> None:
     train = pipeline.load_prompts(cfg.data, tokenizer, "train")
     heldout = pipeline.load_prompts(cfg.data, tokenizer, "heldout")
   if "task" in [name for name, _ in cfg.reward.fns]:
-    _check_task_fields(train.examples, "data.source", cfg.data.source)
-    _check_task_fields(heldout.examples, "data.eval_source", cfg.data.eval_source or cfg.data.source)
+    # An environment's episodes score themselves: reward.fn then scores only the warm-up's accuracy stop, on
+    # training prompts (experiment.sft_accuracy).
+    if not cfg.env.fn or (cfg.run.sft_steps > 0 and cfg.run.sft_target_accuracy > 0):
+      _check_task_fields(train.examples, "data.source", cfg.data.source)
+    if not cfg.env.fn:
+      _check_task_fields(heldout.examples, "data.eval_source", cfg.data.eval_source or cfg.data.source)
   n = train.stats.n_kept
   batch, most = cfg.data.batch_size, MAX_BATCH_PER_PROMPT * n
   if batch > most:
@@ -52,7 +56,7 @@ def _check_task_fields(examples, key: str, source) -> None:
 
   for ex in examples:
     task = ex.get("task")
-    if task not in VERIFIERS:
+    if not (isinstance(task, str) and task in VERIFIERS):
       row = ex.get("source_row", "?")
       said = "has no 'task' field" if task is None else f"names task {task!r}, which has no verifier"
       raise ValueError(f"reward.fn='task' scores each row by its 'task' field (one of {sorted(VERIFIERS)}; "

@@ -110,7 +110,7 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
         workdir_lib.start_over(workdir)
         os.remove(os.path.join(workdir, workdir_lib.LOCK_FILE))  # the lock stays held until the file closes
     raise
-  start, before, produced, landed = 0, None, [], None
+  start, before, produced, landed, writer = 0, None, [], None, None
   try:
     if latest is not None:
       meta = None
@@ -179,6 +179,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
         json.dump(summary, f, indent=2)
     return summary
   finally:
+    if writer is not None:  # a Ctrl-C too: TensorBoard's queued events are written (cli.exit_now skips atexit)
+      writer.close(plot=False)
     if ckpt is not None:
       ckpt.close()
     exp.close()

@@ -41,7 +41,7 @@ class OptimConfig:
   def __post_init__(self):
     check_types("OptimConfig", self)  # first: the checks below compare the fields
     for name in ("lr", "max_grad_norm", "eps", "weight_decay"):  # lr=inf: NaN weights after one step, exit 0
-      if not math.isfinite(getattr(self, name)):
+      if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
         raise ValueError(f"OptimConfig.{name}={getattr(self, name)} must be finite")
     if not self.lr > 0:
       raise ValueError(f"OptimConfig.lr={self.lr} must be > 0")

@@ -5,6 +5,7 @@ Moments live in fp32 next to fp32 master params (optax keeps each moment in its 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -40,8 +41,9 @@ def make_optimizer(cfg: OptimConfig, updates_per_step: int = 1) -> Optimizer:
   """The chain; with several optimizer updates a train step (LossConfig.updates: epochs x minibatches), the
   schedule still counts train steps (warmup_steps, total_steps): every update of a step takes that step's rate.
   Give the count the train step makes: `make_optimizer(tc.optim, tc.loss.updates)`."""
-  if not isinstance(updates_per_step, int) or updates_per_step < 1:
+  if isinstance(updates_per_step, bool) or not isinstance(updates_per_step, numbers.Integral) or updates_per_step < 1:
     raise ValueError(f"updates_per_step={updates_per_step!r} must be an int >= 1 (LossConfig.updates)")
+  updates_per_step = int(updates_per_step)  # (a NumPy integer, as LossConfig takes)
   clip = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
   per_step = learning_rate(cfg)
 
