@@ -148,3 +148,9 @@ def test_a_what_if_config_checks_the_runs_lags_against_the_runs_own_bound(tmp_pa
   _disaggregated_run(tmp_path / "bad", lag=2)  # past the run's own bound: still a loud failure
   with pytest.raises(StalenessViolation, match="eta=1"):
     write_record(what_if, str(tmp_path / "record2"), workdir=str(tmp_path / "bad"))
+  # A run recorded under an older schema (a key since removed): its bound is unknown, so its lags go unchecked.
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  saved["run"]["retired_key"] = 1
+  (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+  fig = write_record(what_if, str(tmp_path / "record3"), workdir=str(tmp_path / "run"))
+  assert "run_staleness" not in fig and fig["staleness"]["eta"] == 0

@@ -118,8 +118,9 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   skip = 1 if len(metrics) > 2 else 0
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
-    params = calibrate.calibrate(spans, batch_seqs=ran.data.batch_size * ran.rl.group_size, tokens_per_step=tokens,
-                                 eta=_eta(ran), skip_steps=skip, stream=ran.continuous_rollout)
+    fit = ran or cfg
+    params = calibrate.calibrate(spans, batch_seqs=fit.data.batch_size * fit.rl.group_size, tokens_per_step=tokens,
+                                 eta=_eta(fit), skip_steps=skip, stream=fit.continuous_rollout)
     params = dataclasses.replace(params, eta=_eta(cfg))  # fitted as the run ran; simulated at the config's bound
     source = f"calibrated from the spans of {workdir}"
   else:
@@ -133,8 +134,9 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   best = {m: max(sweep, key=lambda s, m=m: sweep[s][m]) for m in modes if m != "colocated"} if sweep else {}
   step = dataclasses.replace(step, steps_per_hour=rates[mode])
   # The lags were measured under the run's bound: a what-if config at another one shows its own bound, unobserved.
-  apart = _bound(ran) != _bound(cfg)
-  observed = audit.staleness_audit(ran, histograms or None, metrics=metrics or None)
+  # (ran None: the run's config.json no longer converts, so its bound is unknown and its lags go unchecked.)
+  apart = ran is None or _bound(ran) != _bound(cfg)
+  observed = audit.staleness_audit(ran or cfg, histograms or None, metrics=metrics or None)
   stale = audit.staleness_audit(cfg) if apart else audit.staleness_audit(cfg, histograms or None,
                                                                            metrics=metrics or None)
   fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
@@ -142,7 +144,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
          "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
          "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions),
          "memory": memory_fit(step, mode, assumptions.device_memory_gb)}
-  if apart:
+  if apart and ran is not None:
     fig["run_staleness"] = observed.to_dict()
   predicted = None
   if spans:
@@ -160,14 +162,15 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   with open(os.path.join(out_dir, "record.json"), "w") as f:
     json.dump(fig, f, indent=2, default=str)
   with open(os.path.join(out_dir, "record.md"), "w") as f:
-    f.write(_markdown(cfg, fig, stale, spans, predicted, observed if apart else None))
-  audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
+    f.write(_markdown(cfg, fig, stale, spans, predicted, observed if apart and ran is not None else None))
+  if ran is not None:
+    audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
   return fig
 
 
-def _run_config(workdir: str, cfg: RunConfig) -> RunConfig:
-  """The run's own config (its config.json), or `cfg` when it has none or it no longer converts (a run recorded
-  under an older schema): then its lags are checked against `cfg`'s bound, as the warning says."""
+def _run_config(workdir: str, cfg: RunConfig) -> RunConfig | None:
+  """The run's own config (its config.json); `cfg` when it has none; None when it no longer converts (a run
+  recorded under an older schema): its bound is then unknown, and its lags go unchecked, as the warning says."""
   from jaxrl_topo.runtime import run as run_lib
 
   if not os.path.isfile(os.path.join(workdir, run_lib.CONFIG_FILE)):
@@ -175,9 +178,9 @@ def _run_config(workdir: str, cfg: RunConfig) -> RunConfig:
   try:
     return run_lib.load_config(workdir)
   except (ValueError, TypeError, KeyError) as e:
-    logging.warning("%s's config.json does not convert (%s): its staleness is checked against the given config's "
-                    "bound", workdir, e)
-    return cfg
+    logging.warning("%s's config.json does not convert (%s): its spans are fitted under the given config, and "
+                    "its observed staleness goes unchecked", workdir, e)
+    return None
 
 
 def _bound(cfg: RunConfig) -> tuple[str, int]:
