@@ -21,7 +21,7 @@ def check_out(out: str, workdir: str | None = None, flag: str = "--out") -> None
   if os.path.exists(out) and not os.path.isdir(out):
     raise ValueError(f"{flag}={out} is a file, not a directory; {_ELSEWHERE} (made if missing)")
   real = os.path.realpath(out)
-  run, folder = workdir_lib._run_around(real)
+  run, folder = workdir_lib.run_around(real)
   if run is not None:
     raise ValueError(f"{flag}={out} is inside the run {run}'s own {folder}/: writing there would damage the run; "
                      f"{_ELSEWHERE}, e.g. {flag}={os.path.join(run, 'review')}")
@@ -42,4 +42,4 @@ def _is_run(directory: str) -> bool:
   if not os.path.isdir(directory):
     return False
   return (os.path.isfile(os.path.join(directory, workdir_lib.IDENTITY_FILE))
-          or bool(workdir_lib._run_config(directory)) or workdir_lib.has_run(directory))
+          or bool(workdir_lib.runs_config(directory)) or workdir_lib.has_run(directory))

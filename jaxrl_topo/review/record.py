@@ -109,7 +109,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   if workdir is not None:
     from jaxrl_topo.runtime import metrics as metrics_lib
     from jaxrl_topo.runtime import run as run_lib
-    ran = _run_config(workdir, cfg)
+    ran = _runs_own_config(workdir, cfg)
     spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
   os.makedirs(out_dir, exist_ok=True)
@@ -144,8 +144,9 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
          "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
          "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions),
          "memory": memory_fit(step, mode, assumptions.device_memory_gb)}
-  if apart and ran is not None:
-    fig["run_staleness"] = observed.to_dict()
+  beside = observed if apart and ran is not None else None  # the run's own bound, shown beside the config's
+  if beside is not None:
+    fig["run_staleness"] = beside.to_dict()
   predicted = None
   if spans:
     sim = timelines[mode]
@@ -162,13 +163,13 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   with open(os.path.join(out_dir, "record.json"), "w") as f:
     json.dump(fig, f, indent=2, default=str)
   with open(os.path.join(out_dir, "record.md"), "w") as f:
-    f.write(_markdown(cfg, fig, stale, spans, predicted, observed if apart and ran is not None else None))
+    f.write(_markdown(cfg, fig, stale, spans, predicted, beside))
   if ran is not None:
     audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
   return fig
 
 
-def _run_config(workdir: str, cfg: RunConfig) -> RunConfig | None:
+def _runs_own_config(workdir: str, cfg: RunConfig) -> RunConfig | None:
   """The run's own config (its config.json); `cfg` when it has none; None when it no longer converts (a run
   recorded under an older schema): its bound is then unknown, and its lags go unchecked, as the warning says."""
   from jaxrl_topo.runtime import run as run_lib

@@ -96,7 +96,7 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
   if os.path.isfile(workdir):
     raise ValueError(f"{where} {workdir} is a file: name a directory (made if missing)")
   real = os.path.realpath(workdir)
-  run, folder = _run_around(real)
+  run, folder = run_around(real)
   if run is not None:  # before: accepted, and the run's own --fresh then refused the files written there
     raise ValueError(f"{where} {workdir} is inside the run {run}'s own {folder}/: a run there would write into "
                      "that run's files; use another directory")
@@ -117,7 +117,7 @@ def check_not_a_model(cfg: RunConfig, workdir: str, where: str = "--workdir") ->
 def model_files(directory: str) -> list[str]:
   """What marks `directory` as a model's: its MODEL_FILES present, or a config.json that is not a run's."""
   found = [n for n in MODEL_FILES if os.path.exists(os.path.join(directory, n))]
-  if not found and _run_config(directory) is False:  # (None: none, or a torn run config: recorded_identity names it)
+  if not found and runs_config(directory) is False:  # (None: none, or a torn run config: recorded_identity names it)
     found = [CONFIG_FILE + " (not a run's)"]
   return found
 
@@ -126,7 +126,7 @@ def check_not_a_runs_file(path: str, flag: str) -> None:
   """Raises when writing the file `path` would overwrite a run's own files (RUNS_OWN, or inside its folders) or a
   multiplexed group's (launchers/mux.py)."""
   real = os.path.realpath(path)
-  run, folder = _run_around(real)
+  run, folder = run_around(real)
   if run is not None:
     raise ValueError(f"{flag}={path} is the run {run}'s own {folder}: writing there would damage the run; nothing "
                      "was written. Name a file elsewhere")
@@ -135,19 +135,19 @@ def check_not_a_runs_file(path: str, flag: str) -> None:
     raise ValueError(f"{flag}={path} is a multiplexed group's own file; nothing was written. Name a file elsewhere")
 
 
-def _run_around(real: str) -> tuple[str | None, str | None]:
+def run_around(real: str) -> tuple[str | None, str | None]:
   """(a run's directory, the folder of it) when the real path `real` lies in one of a run's own folders
   (checkpoints/, tb/, init_model/, ...); else (None, None)."""
   path = real
   while os.path.dirname(path) != path:
     parent, name = os.path.dirname(path), os.path.basename(path)
-    if name in RUNS_OWN and (os.path.isfile(os.path.join(parent, IDENTITY_FILE)) or _run_config(parent)):
+    if name in RUNS_OWN and (os.path.isfile(os.path.join(parent, IDENTITY_FILE)) or runs_config(parent)):
       return parent, name
     path = parent
   return None, None
 
 
-def _run_config(directory: str) -> bool | None:
+def runs_config(directory: str) -> bool | None:
   """Whether `directory`'s config.json is a run's (sections "run" and "model"; a model's is not); None when there
   is none, or it is not JSON."""
   try:
