@@ -99,6 +99,7 @@ def _run_group(group, workdir: str, specs) -> None:
   from jaxrl_topo.mux import report
   from jaxrl_topo.runtime import run
   from jaxrl_topo.runtime.metrics import MetricsWriter
+  from jaxrl_topo.runtime.spans import CompileLog
   from jaxrl_topo.runtime.workdir import MUX_SUMMARY, MUX_TIMELINE, write_identity
 
   if others := other_job_folders(workdir, [s.job_id for s in specs]):
@@ -118,14 +119,15 @@ def _run_group(group, workdir: str, specs) -> None:
     cfg, start = job.spec.cfg, job.start
     writers[jid] = MetricsWriter(exp_dir(jid), total_steps=cfg.run.steps, tensorboard=False, progress=False,
                                  start_step=start - (job.lost is not None), resume=start > 0)
-    hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), start,  # the group checkpoints
-                          lost=job.lost is not None)
+    hooks, _ = run._hooks(cfg, exp, None, writers[jid], None, exp_dir(jid), compiles, start,  # the group
+                          lost=job.lost is not None)  # checkpoints
     return hooks
 
   def exp_dir(jid):
     return group.jobs[jid].spec.workdir
 
-  results = group.run(hooks_for)
+  with CompileLog() as compiles:  # each job's compiles, taken out of its spans by the review
+    results = group.run(hooks_for)
   for w in writers.values():
     w.close(plot=False)
   path = os.path.join(workdir, MUX_SUMMARY)

@@ -113,7 +113,7 @@ def test_malformed_middle_line_raises(tmp_path):
 def test_spans_skip_a_torn_last_line_as_metrics_do(tmp_path):
   """A run killed while writing a span left a torn last line; every relaunch then failed with a bare
   "Unterminated string" (read_spans parsed every line)."""
-  from jaxrl_topo.runtime.run import read_spans
+  from jaxrl_topo.runtime.spans import read_spans
 
   span = {"phase": "train", "role": "trainer", "devices": [0], "step": 0, "gen_id": 0, "start": 0.0, "end": 1.0}
   (tmp_path / "spans.jsonl").write_text(json.dumps(span) + '\n{"phase": "rollout", "role": "rol')

@@ -94,7 +94,7 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
   """Async RL with the trainer on process 0's devices and the rollout on process 1's: every rollout
   token and reward equals the same run in one process; rollout overlaps training; the checkpoint
   (held by process 0 alone) restores on both processes."""
-  from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime import spans as spans_lib
   from jaxrl_topo.runtime.export import export
   from jaxrl_topo.runtime.metrics import read_metrics
 
@@ -112,7 +112,7 @@ def test_async_rl_across_two_processes_takes_the_one_process_decisions(tmp_path,
       assert g[k] == w[k], f"step {g['step']}: {k} {g[k]} across processes, {w[k]} in one"
     # Train-side numbers differ in summation order only (gloo across processes, threads within one).
     np.testing.assert_allclose(g["grad_norm"], w["grad_norm"], rtol=2e-2)
-  spans = run_lib.read_spans(str(tmp_path / "mp"))
+  spans = spans_lib.read_spans(str(tmp_path / "mp"))
   train = {s["step"]: s for s in spans if s["phase"] == "train"}
   rollouts = {s["step"]: s for s in spans if s["phase"] == "rollout"}
   assert set(train[0]["devices"]) == {0, 1, 2, 3}  # process 1's devices are numbered from 2048 on CPU

@@ -56,7 +56,7 @@ def test_disaggregated_resume_trains_the_in_flight_batch_as_it_was(tmp_path):
   assert got == want, "a resumed run must repeat the uninterrupted run's metrics"
   # Its timeline holds every phase of every step: the restored in-flight batch's rollout and reward spans are kept
   # (before: dropped, as if redone).
-  from jaxrl_topo.runtime.run import read_spans
+  from jaxrl_topo.runtime.spans import read_spans
   phases = lambda d: sorted((s["phase"], s["step"]) for s in read_spans(str(d)))  # noqa: E731
   assert phases(run) == phases(tmp_path / "ref")
 

@@ -75,6 +75,18 @@ def test_colocated_timeline_serialised_and_idle_exact():
   assert "| rollout |" in rep.to_markdown()
 
 
+def test_a_phases_compile_seconds_are_shown_and_left_out_of_its_median():
+  """A span carries the XLA compile inside it (runtime/spans.py): the phase's total keeps it, shows it, and its
+  per-step median leaves it out, as the simulator's prediction does."""
+  spans = _colocated_timeline()
+  spans[6] = {**spans[6], "end": spans[6]["end"] + 10.0, "compile_s": 10.0}  # train step 1 compiled 10 s
+  spans[2] = {**spans[2], "end": spans[2]["end"] + 3.0, "compile_s": 3.0}  # train step 0 too, 3 s
+  rep = audit.overlap_audit(spans, {"train": 2.0})
+  assert rep.phases["train"].total_s == pytest.approx(17.0) and rep.phases["train"].compile_s == pytest.approx(13.0)
+  assert rep.phases["train"].median_step_s == pytest.approx(2.0) and not rep.flagged
+  assert "| train | 2 | 17.000 | 13.000 | 2.000 | 2.000 | +0% |" in rep.to_markdown()
+
+
 def test_disaggregated_rollout_overlaps_train_exactly():
   rep = audit.overlap_audit(_disaggregated_timeline())
   ro_tr = rep.overlap("rollout", "train")

@@ -59,6 +59,7 @@ def test_record_warns_when_the_state_cannot_fit_a_device(tmp_path):
 @pytest.mark.slow
 def test_record_of_a_measured_run_is_consistent(tmp_path):
   from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime import spans as spans_lib
   from jaxrl_topo.runtime.metrics import read_metrics
 
   workdir = tmp_path / "run"
@@ -75,6 +76,13 @@ def test_record_of_a_measured_run_is_consistent(tmp_path):
   assert {"rollout", "train", "sync"} <= phases
   assert "measured timeline" in (tmp_path / "record" / "record.md").read_text().lower()
   assert fig["simulator_source"].startswith("calibrated")
+  # The stream's second batch holds train step 0's compile (dispatched between its decode chunks); its span says
+  # so, and the fit leaves it out. Before spans carried compile_s, the predicted rollout was 15x the measured one.
+  spans = spans_lib.read_spans(str(workdir))
+  stream = {s["step"]: s for s in spans if s["phase"] == "rollout"}
+  assert stream[1]["compile_s"] > 0.5 * (stream[1]["end"] - stream[1]["start"])
+  rollout = next(c for c in fig["overlap"]["comparisons"] if c["phase"] == "rollout")
+  assert 0.5 < rollout["predicted_s"] / rollout["measured_s"] < 2
 
 
 def _synthetic_run(workdir, spans_of_step, n_steps=8):

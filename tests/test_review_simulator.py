@@ -185,6 +185,36 @@ def test_calibrate_a_continuous_stream_round_trip():
                 stream=True)
 
 
+def _stalled(spans: list[dict], at: float, secs: float) -> list[dict]:
+  """The spans of a run whose one thread stalled `secs` at time `at` compiling a new program: every span open then
+  lasts `secs` longer and carries the compile (runtime/spans.py), and every later one starts `secs` later."""
+  out = []
+  for s in spans:
+    if s["start"] <= at < s["end"]:
+      out.append({**s, "end": s["end"] + secs, "compile_s": secs})
+    else:
+      out.append({**s, **({"start": s["start"] + secs, "end": s["end"] + secs} if s["start"] > at else {})})
+  return out
+
+
+def test_calibrate_takes_a_late_compile_out_of_a_stream():
+  """A continuous stream's rollout span holds what the controller's thread compiled in it (the train step's first
+  compile, a new shape later on). Before spans carried compile_s, a 2-minute stall in one of 36 batches of 0.7 s
+  fitted 38% of the true rate (the stream is fitted to the mean batch); now the rate comes back."""
+  truth = _long_tail(sigma=0.5, reward_s=0.3, per_seq_tokens_per_s=400.0, train_s=1.0, eta=2)
+  spans = C.tile_rollouts(S.simulate("async", truth, 48).to_span_dicts())
+  kw = dict(batch_seqs=64, median_len=500.0, sigma=0.5, per_seq_tokens_per_s=400.0, sync_bytes=1e9, link_gbps=8.0,
+            eta=2, skip_steps=12, stream=True)
+  r20 = next(s for s in spans if s["phase"] == "rollout" and s["step"] == 20)
+  stalled = _stalled(spans, (r20["start"] + r20["end"]) / 2, 120.0)
+  assert sum(s.get("compile_s", 0) > 0 for s in stalled) >= 1
+  p = C.calibrate(stalled, **kw)
+  assert p.tokens_per_s_per_device == pytest.approx(truth.tokens_per_s_per_device, rel=1e-6)
+  assert p.train_s == pytest.approx(C.calibrate(spans, **kw).train_s)
+  unmarked = C.calibrate([{k: v for k, v in s.items() if k != "compile_s"} for s in stalled], **kw)
+  assert unmarked.tokens_per_s_per_device < 0.5 * truth.tokens_per_s_per_device
+
+
 def test_calibrate_colocated_run_and_bad_spans():
   tl = S.simulate("colocated", _colocated_const(), 6)
   p = C.calibrate(tl.to_span_dicts(), batch_seqs=100, median_len=1000.0)

@@ -16,6 +16,7 @@ from run_fixtures import ETA, ROOT, load_config, tiny_cfg
 from subproc import cpu_env
 
 from jaxrl_topo.runtime import run as run_lib
+from jaxrl_topo.runtime import spans as spans_lib
 from jaxrl_topo.runtime.config import from_config_dict
 from jaxrl_topo.runtime.export import export
 from jaxrl_topo.runtime.metrics import comparable, read_histograms, read_metrics
@@ -56,7 +57,7 @@ def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, mode_runs):
   assert summary["prompts"]["n_kept"] == summary["prompts"]["n_rows"] > 0
   traces = [f for _, _, files in os.walk(workdir / "profile") for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), f"no profiler trace of step 2: {traces}"
-  spans = run_lib.read_spans(str(workdir))
+  spans = spans_lib.read_spans(str(workdir))
   train = {s["step"]: s for s in spans if s["phase"] == "train"}
   rollouts = {s["step"]: s for s in spans if s["phase"] == "rollout"}
   assert sorted(train) == list(range(MODE_STEPS)) and sorted(rollouts) == list(range(MODE_STEPS))

@@ -20,6 +20,7 @@ from absl import logging
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import loop as loop_lib
 from jaxrl_topo.runtime import run as run_lib
+from jaxrl_topo.runtime import spans as spans_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 
 
@@ -120,7 +121,7 @@ def earlier_spans(workdir: str, name: str, starts: dict[str, int], lost: set[str
     return []
   from jaxrl_topo.mux.report import read_spans  # noqa: PLC0415 (the report's plotting stays out of the group)
 
-  return [r for r in read_spans(path) if run_lib.kept_span(r, starts.get(r["job"], 0), r["job"] in lost)]
+  return [r for r in read_spans(path) if spans_lib.kept_span(r, starts.get(r["job"], 0), r["job"] in lost)]
 
 
 def write_spans(workdir: str, name: str, spans: list[dict]) -> None:

@@ -233,9 +233,10 @@ def read_run(workdir: str) -> tuple[RunConfig, list[dict], list[dict], list[dict
   """(cfg, spans, metrics, histograms) of a run directory; config.json is required, missing JSONL files read as []."""
   from jaxrl_topo.runtime import metrics as metrics_lib
   from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime import spans as spans_lib
 
   cfg = run_lib.load_config(workdir)
-  spans = run_lib.read_spans(workdir)
+  spans = spans_lib.read_spans(workdir)
   metrics = (metrics_lib.read_metrics(workdir)
              if os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)) else [])
   histograms = (metrics_lib.read_histograms(workdir)

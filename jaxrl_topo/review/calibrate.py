@@ -23,13 +23,15 @@ def load_spans(path: str) -> list[dict]:
 
 
 def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[float]:
-  """Per-step wall extent (max end - min start) of a phase, over all processes' spans of that step."""
-  ext: dict[int, tuple[float, float]] = {}
+  """Per-step wall extent (max end - min start) of a phase, over all processes' spans of that step, less the XLA
+  compiles inside it (a span's `compile_s`, runtime/spans.py; the most of any one span, as processes compile side by
+  side): a step that compiled a new shape is read at the speed it ran."""
+  ext: dict[int, tuple[float, float, float]] = {}
   for s in spans:
     if s["phase"] == phase and s["step"] >= skip_steps:
-      lo, hi = ext.get(s["step"], (math.inf, -math.inf))
-      ext[s["step"]] = (min(lo, s["start"]), max(hi, s["end"]))
-  return [hi - lo for _, (lo, hi) in sorted(ext.items())]
+      lo, hi, c = ext.get(s["step"], (math.inf, -math.inf, 0.0))
+      ext[s["step"]] = (min(lo, s["start"]), max(hi, s["end"]), max(c, float(s.get("compile_s", 0.0))))
+  return [max(0.0, hi - lo - c) for _, (lo, hi, c) in sorted(ext.items())]
 
 
 def _validate_spans(spans: Sequence[Mapping]) -> None:

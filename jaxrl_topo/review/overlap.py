@@ -84,7 +84,8 @@ class PhaseStats:
   steps: int  # distinct steps with this phase
   total_s: float  # sum of span durations
   busy_s: float  # union of the spans (<= total_s when spans of one phase overlap)
-  median_step_s: float  # median over steps of the phase's seconds in that step
+  median_step_s: float  # median over steps of the phase's seconds in that step, less its XLA compiles
+  compile_s: float = 0.0  # of total_s, the seconds its spans spent compiling (a span's compile_s, runtime/spans.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,15 +157,16 @@ class OverlapReport:
   def to_markdown(self) -> str:
     pred = {c.phase: c for c in self.comparisons}
     lines = [f"### Timeline: {self.makespan_s:.3f} s over {self.n_steps} steps", "",
-             "| phase | spans | total s | median s/step | predicted s/step | off |", "|---|---:|---:|---:|---:|---|"]
+             "| phase | spans | total s | of it compiling | median s/step | predicted s/step | off |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for name, st in self.phases.items():
       c = pred.get(name)
       off = "" if c is None or c.rel_err is None else f"{c.rel_err:+.0%}" + (" **FLAG**" if c.flagged else "")
-      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {st.median_step_s:.3f} | "
+      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {st.compile_s:.3f} | {st.median_step_s:.3f} | "
                    f"{'' if c is None else f'{c.predicted_s:.3f}'} | {off} |")
     for c in self.comparisons:
       if c.measured_s is None:
-        lines.append(f"| {c.phase} | 0 | | | {c.predicted_s:.3f} | not measured **FLAG** |")
+        lines.append(f"| {c.phase} | 0 | | | | {c.predicted_s:.3f} | not measured **FLAG** |")
     lines += ["", "| overlap | seconds | of first | of second |", "|---|---:|---:|---:|"]
     lines += [f"| {p.a} / {p.b} | {p.overlap_s:.3f} | {p.frac_of_a:.0%} | {p.frac_of_b:.0%} |" for p in self.overlapped]
     lines += ["", f"Serialised: {', '.join(f'{a}/{b}' for a, b in self.serialised) or 'none'}", "",
@@ -178,11 +180,12 @@ def _phase_stats(spans: list[dict]) -> dict[str, PhaseStats]:
   for phase in _phase_order(sp["phase"] for sp in spans):
     mine = [sp for sp in spans if sp["phase"] == phase]
     per_step: dict[int, float] = {}
-    for sp in mine:
-      per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"]
+    for sp in mine:  # the seconds it ran: a step's new-shape compile is not read as a slow phase
+      per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"] - sp.get("compile_s", 0.0)
     out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
                             busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
-                            median_step_s=statistics.median(per_step.values()))
+                            median_step_s=statistics.median(per_step.values()),
+                            compile_s=sum(sp.get("compile_s", 0.0) for sp in mine))
   return out
 
 

@@ -108,9 +108,9 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   spans, histograms, metrics, ran = [], [], [], cfg
   if workdir is not None:
     from jaxrl_topo.runtime import metrics as metrics_lib
-    from jaxrl_topo.runtime import run as run_lib
+    from jaxrl_topo.runtime import spans as spans_lib
     ran = _runs_own_config(workdir, cfg)
-    spans, metrics = run_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
+    spans, metrics = spans_lib.read_spans(workdir), metrics_lib.read_metrics(workdir)
     histograms = metrics_lib.read_histograms(workdir)
   os.makedirs(out_dir, exist_ok=True)
   step = step_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)

@@ -37,6 +37,7 @@ from absl import logging
 from jaxrl_topo.runtime import experiment as experiment_lib
 from jaxrl_topo.runtime import inflight, preflight
 from jaxrl_topo.runtime import loop as loop_lib
+from jaxrl_topo.runtime import spans as spans_lib
 from jaxrl_topo.runtime import workdir as workdir_lib
 from jaxrl_topo.runtime.checkpoint import Checkpointer, abstract_like
 from jaxrl_topo.runtime.config import RunConfig
@@ -76,11 +77,12 @@ def train(cfg: RunConfig, workdir: str, *, progress: bool = True) -> dict:
     preflight.check_positions(cfg)
     preflight.check_model(cfg)  # LoRA targets, the reward model's directory and vocabulary
     # One run at a time in a workdir: process 0 holds its run.lock (another launch there is refused)
-    with workdir_lib.held(workdir) if _main() else contextlib.nullcontext():
-      return _train(cfg, workdir, topology, t0, progress=progress)
+    with workdir_lib.held(workdir) if _main() else contextlib.nullcontext(), spans_lib.CompileLog() as compiles:
+      return _train(cfg, workdir, topology, t0, compiles, progress=progress)
 
 
-def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool) -> dict:
+def _train(cfg: RunConfig, workdir: str, topology, t0: float, compiles: spans_lib.CompileLog, *,
+           progress: bool) -> dict:
   new = not workdir_lib.has_run(workdir)
   if new:  # a resumed run's record is replaced only once its checkpoint has restored (below)
     _record(cfg, workdir)
@@ -152,8 +154,8 @@ def _train(cfg: RunConfig, workdir: str, topology, t0: float, *, progress: bool)
     if lost:
       logging.info("step %d's metrics line was lost (a kill after its checkpoint): it is logged again from the "
                    "checkpoint", start - 1)
-    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, start, restored={t.step for t in produced},
-                         lost=lost)
+    hooks, seen = _hooks(cfg, exp, ckpt, writer, before, workdir, compiles, start,
+                         restored={t.step for t in produced}, lost=lost)
     last = loop_lib.train_loop(exp, start_step=start, hooks=hooks, in_flight=produced,
                                lost=landed_metrics(landed) if lost else None)
     after = evaluate_metrics(exp, tag=cfg.run.steps)
@@ -238,12 +240,6 @@ def lost_line(cfg: RunConfig, workdir: str, start: int, landed: dict | None) -> 
   return landed is not None and _logs(cfg, start - 1, _should_eval(cfg, start)) and not _has_line(workdir, start - 1)
 
 
-def kept_span(r: dict, start: int, lost: bool) -> bool:
-  """Whether a run resumed at `start` keeps an earlier session's span `r`: one of a step it does not redo, except
-  the evaluation after step start - 1 when that step's line was `lost` (train_loop runs that evaluation again)."""
-  return r["step"] < start and not (lost and r["phase"] == "eval" and r["step"] == start - 1)
-
-
 def _should_eval(cfg: RunConfig, done: int) -> bool:
   return bool(cfg.run.eval_every) and done % cfg.run.eval_every == 0 and done < cfg.run.steps
 
@@ -267,7 +263,8 @@ def _log_step(cfg: RunConfig, writer: MetricsWriter | None, step: int, m: dict) 
 
 
 def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter | None, before: dict | None,
-           workdir: str, start: int = 0, restored: set[int] = frozenset(), lost: bool = False):
+           workdir: str, compiles: spans_lib.CompileLog, start: int = 0, restored: set[int] = frozenset(),
+           lost: bool = False):
   """(LoopHooks, {"data_state": the prompt iterator's state after the last trained batch}). `restored`: the
   steps of the in-flight batches a resume restored (their rollout and reward spans are kept, not redone). `lost`:
   step start - 1's line is logged again (train_loop's `lost`), its evaluation redone."""
@@ -298,32 +295,14 @@ def _hooks(cfg: RunConfig, exp, ckpt: Checkpointer | None, writer: MetricsWriter
     if step == cfg.run.profile_step:  # trace from this batch's rollout end to its weights landing
       jax.profiler.start_trace(os.path.join(workdir, "profile"))
 
-  spans_path = os.path.join(workdir, SPANS_FILE)
-  kept = [r for r in read_spans(workdir) if kept_span(r, start, lost) or (r["step"] in restored and r["phase"] in (
-      "rollout", "reward"))] if start else []
-  if _main():  # one line per span; a resumed run keeps the spans of the steps it does not redo
-    with open(spans_path, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-  t_origin = time.perf_counter() - (max(r["end"] for r in kept) if kept else 0.0)
+  # A resumed run keeps the spans of the steps it does not redo, and of the in-flight batches it restored
+  def keep(r: dict) -> bool:
+    return spans_lib.kept_span(r, start, lost) or (r["step"] in restored and r["phase"] in ("rollout", "reward"))
 
-  def on_span(entry: dict) -> None:
-    if _main():
-      entry = {**entry, "start": entry["start"] - t_origin, "end": entry["end"] - t_origin}
-      with open(spans_path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
-
+  on_span = spans_lib.span_writer(workdir, compiles, start=start, keep=keep, write=_main())
   return loop_lib.LoopHooks(on_step=on_step, on_landed=on_landed, on_trained=on_trained,
                             should_eval=functools.partial(_should_eval, cfg),
                             on_produced=on_produced, on_span=on_span, in_flight=in_flight), seen
-
-
-SPANS_FILE = "spans.jsonl"
-
-
-def read_spans(workdir: str) -> list[dict]:
-  """The run's timeline: {phase, role, devices, step, gen_id, start, end} per line, seconds since the start."""
-  path = os.path.join(workdir, SPANS_FILE)
-  return read_jsonl(path) if os.path.isfile(path) else []  # a torn last line (killed mid-write) skipped
 
 
 # ---------------------------------------------------------------- the run's config on disk
