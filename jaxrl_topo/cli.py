@@ -90,6 +90,20 @@ def message(e: BaseException) -> str:
   return text
 
 
+def overrides_hint(msg: str, argv: list[str]) -> str:
+  """For "no config key 'x'" from `--config.<...>.overrides.x=v`: ml-collections adds no key from the command line,
+  so a field the config's overrides (a dict) do not hold is given with the whole dict."""
+  missing = re.match(r"no config key '([^']+)'", msg)
+  keys = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  path = next((k[len("--config."):] for k in keys if missing and k.endswith(f".overrides.{missing.group(1)}")), None)
+  if path is None:
+    return ""
+  field = missing.group(1)
+  return (f"\nhint: {path.rsplit('.', 1)[0]} holds only the fields its config file gives it, and a command line adds "
+          f"no key: give the whole dict, e.g. --config.{path.rsplit('.', 1)[0]}=\"{{'{field}': ...}}\" (it replaces "
+          f"the config's own)")
+
+
 def device_hint(msg: str) -> str:
   """For a 'needs N devices' error on a CPU: how to fake them."""
   need = re.search(r"needs? (\d+) devices", msg)
@@ -159,6 +173,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   the real error; so nothing is parsed twice here. `--config.key=None` sets the key to None (_set_nones)."""
   argv, nones = _none_overrides(argv)
   try:
+    _one_config_file(argv)
     rest = flags.FLAGS(argv)
     _set_nones(nones)
     empty = [name for name in _PATH_FLAGS if name in flags.FLAGS and flags.FLAGS[name].value is not None
@@ -180,6 +195,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {text}\n(--helpfull lists every flag; run with --traceback to see where it was raised)",
           file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
+
+
+def _one_config_file(argv: list[str]) -> None:
+  """Refuses a second --config: absl keeps the last one, so `--config=a.py --config=b.py` silently ran b.py (and
+  with overrides it failed as "flag defined twice")."""
+  end = argv.index("--") if "--" in argv else len(argv)
+  given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < end else "") for i, a in enumerate(argv[:end])
+           if i and a.split("=", 1)[0] in ("--config", "-config")]
+  if len(given) > 1:
+    raise UserError(f"--config given {len(given)} times ({', '.join(given)}): give one config file, and change its "
+                    "keys with --config.<key>=value")
 
 
 def _none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -293,8 +319,9 @@ def launch(main: Callable[[list[str]], None], interrupted: str | Callable[[], st
       import jax
       pid = f"[process {jax.process_index()}] "
     if is_user_error(e) and not _want_traceback():
-      print(f"error: {pid}{message(e)}{device_hint(message(e))}\n(run with --traceback to see where it was raised)",
-            file=sys.stderr)
+      said = message(e)
+      print(f"error: {pid}{said}{device_hint(said)}{overrides_hint(said, sys.argv)}\n(run with --traceback to see "
+            "where it was raised)", file=sys.stderr)
       _leave(USER_ERROR_EXIT)
     traceback.print_exc()
     if pid:

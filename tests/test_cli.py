@@ -65,6 +65,19 @@ def test_local_multiprocess_runs_python_as_itself_and_hints_its_own_device_flag(
   assert device_hint(msg) == "\nhint: give local_multiprocess.py --devices_per_process=4 (or more)"
 
 
+def test_a_missing_override_field_hints_at_giving_the_whole_dict():
+  """--config.model.overrides.n_layers=3 on a config whose overrides lack n_layers: ml-collections adds no key, and
+  the error named neither the section nor the way that works (the whole dict, which a run takes)."""
+  from jaxrl_topo.cli import overrides_hint
+
+  argv = ["train.py", "--config=configs/grpo_task.py", "--config.model.overrides.n_layers=3"]
+  hint = overrides_hint("no config key 'n_layers'", argv)
+  assert hint.startswith("\nhint: model.overrides holds only")
+  assert "--config.model.overrides=\"{'n_layers': ...}\"" in hint
+  assert overrides_hint("no config key 'stepz'. Did you mean \"steps\"", [*argv, "--config.run.stepz=1"]) == ""
+  assert overrides_hint("no config key 'n_layers'", argv[:2]) == ""
+
+
 def test_warm_up_dev_accuracy_on_every_process(capfd, monkeypatch, tmp_path):
   """The warm-up's accuracy check with params held by process 0 only (async / disaggregated across
   processes) and spanning both. Before: process 1 failed reading arrays it does not hold."""
@@ -123,6 +136,15 @@ def test_a_value_of_the_wrong_type_is_one_line(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", "--config.run.sft_steps=5", "--config.run.steps=abc")
   assert r.returncode == 2 and "Traceback" not in r.stderr and "defined twice" not in r.stderr, r.stderr
   assert r.stderr.startswith("error: flag --config.run.steps=abc: invalid literal for int()"), r.stderr
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_second_config_file_is_refused(tmp_path):
+  """Before: absl kept the last --config, so `--config=grpo_task.py --config=dapo.py` trained DAPO without a word
+  (and with an override after each, failed as "flag defined twice")."""
+  r = _train(TINY, "--config", "configs/dapo.py", f"--workdir={tmp_path / 'w'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert r.stderr.startswith(f"error: --config given 2 times ({TINY.split('=', 1)[1]}, configs/dapo.py): "), r.stderr
   assert not (tmp_path / "w").exists()
 
 

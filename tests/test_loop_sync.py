@@ -109,7 +109,8 @@ def test_each_sync_frees_the_old_rollout_weights_bucket_by_bucket(tmp_path):
 
   try:
     exp.sync = measured
-    loop.train_loop(exp)
+    last = loop.train_loop(exp)
+    assert "loss" in last and "_lags" not in last  # the loop's private per-token lags stay with on_step
     kept = measured(exp.state, None, "kept")  # noqa: F841  (held: the old weights stay next to the new copy)
   finally:
     exp.close()

@@ -136,6 +136,7 @@ def _no_chunk_hook(engine: RolloutEngine) -> None:
 class LoopHooks:
   """What the launcher plugs in: metrics sink, checkpointing, eval cadence."""
 
+  # Each step's metrics, with `_lags` (each token's staleness, a list; run.py logs it as a histogram)
   on_step: Callable[[int, dict], None] = lambda step, metrics: None
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
   # Right before on_trained: the step's metrics as they stand when its weights land (its evaluation and wall-clock
@@ -143,7 +144,7 @@ class LoopHooks:
   on_landed: Callable[[int, dict], None] = lambda step, metrics: None
   # Right before each on_trained: the batches produced but not trained yet (exact resume saves them).
   in_flight: Callable[[list[Trajectories]], None] = lambda trajs: None
-  should_eval: Callable[[int], bool] = lambda step: False
+  should_eval: Callable[[int], bool] = lambda done: False  # evaluate after `done` steps (trained in all)?
   on_produced: Callable[[int], None] = lambda step: None  # a rollout batch is ready
   on_span: Callable[[dict], None] = lambda span: None  # timeline entries (review/ audits them)
   # ("rollout", k) before a batch-mode rollout of batch k, ("train", k) before step k goes to the trainer:
@@ -176,11 +177,11 @@ def _step_metrics(traj: Trajectories, train: dict, version_at_train: int, G: int
 
 def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None = None,
                in_flight: list[Trajectories] = (), lost: dict | None = None) -> dict:
-  """Runs steps [start_step, run.steps); returns the last step's metrics. `in_flight`: batches start_step,
-  start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume). `lost`:
-  step start_step - 1's metrics as its checkpoint kept them (on_landed's), its line never written (a kill after
-  the checkpoint): it goes to on_step first, evaluated first where due, on the restored weights (in async mode the
-  lost evaluation may have read a later version)."""
+  """Runs steps [start_step, run.steps); returns the last step's metrics (less `_lags`). `in_flight`: batches
+  start_step, start_step + 1, ... produced before a checkpoint and not trained (run.py restores them: exact resume).
+  `lost`: step start_step - 1's metrics as its checkpoint kept them (on_landed's), its line never written (a kill
+  after the checkpoint): it goes to on_step first, evaluated first where due, on the restored weights (in async mode
+  the lost evaluation may have read a later version)."""
   hooks = hooks or LoopHooks()
   cfg = exp.cfg
   mode, eta, steps = cfg.topology.mode, cfg.run.max_staleness, cfg.run.steps
@@ -263,7 +264,7 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
         chunks.reset()  # the evaluation's tokens are no rollout's
         hooks.on_span(span("eval", "rollout", rollout_devices, step, exp.engine.gen_id, t, time.perf_counter()))
         wall.exclude(time.perf_counter() - t)
-      last = m
+      last = {k: v for k, v in m.items() if k != "_lags"}
       hooks.on_step(step, m)
       hostcomm.collect()  # multi-process: every host read of this step is done; free the store's keys
 
