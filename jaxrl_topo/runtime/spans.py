@@ -11,6 +11,7 @@ as slow decoding.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -48,14 +49,16 @@ class CompileLog:
   window, on the calling thread (a multiplexed group's jobs compile in their own threads, each its own programs)."""
 
   def __init__(self):
-    self._intervals: list[tuple[float, float, int]] = []
+    self._ends: list[float] = []  # in the order recorded, so ascending: a window's intervals are found by bisection
+    self._intervals: list[tuple[float, int]] = []  # (start, thread) of each
     self._lock = threading.Lock()
 
   def _on_event(self, event: str, secs: float, **_) -> None:
     if event in COMPILE_EVENTS:
-      t = time.perf_counter()  # the event is recorded as it ends
       with self._lock:
-        self._intervals.append((t - secs, t, threading.get_ident()))
+        t = time.perf_counter()  # the event is recorded as it ends
+        self._ends.append(t)
+        self._intervals.append((t - secs, threading.get_ident()))
 
   def __enter__(self) -> CompileLog:
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
@@ -67,7 +70,10 @@ class CompileLog:
   def seconds_within(self, start: float, end: float) -> float:
     me = threading.get_ident()
     with self._lock:
-      inside = sorted((max(s, start), min(e, end)) for s, e, t in self._intervals if s < end and e > start and t == me)
+      first = bisect.bisect_right(self._ends, start)  # those ending after the window opened (a long run's spans
+      inside = sorted((max(s, start), min(e, end))  # are written as they end: this is the log's short tail)
+                      for e, (s, t) in zip(self._ends[first:], self._intervals[first:], strict=True)
+                      if s < end and t == me)
     total, reach = 0.0, start
     for s, e in inside:  # merged: a nested trace counts once
       total += max(0.0, e - max(s, reach))
