@@ -195,7 +195,12 @@ def test_step_compiles_once(counted):
   for seed in range(3):
     state, metrics = step(state, _fresh_batch(10 + seed))  # raises inside the trace if it retraced
     assert metrics["step_ok"] == 1.0, f"step {seed} was rejected on a finite batch"
-  assert int(state.step) == 3
+    assert metrics["tokens"] == _fresh_batch(10 + seed).mask_MBT.sum() > 0
+  # A batch with no token in the loss logs 0 tokens (before: 1, the normaliser's floor), in the same program.
+  empty = _fresh_batch(13)
+  state, metrics = step(state, empty.replace(mask_MBT=np.zeros_like(empty.mask_MBT)))
+  assert (metrics["tokens"], metrics["response_len/mean"]) == (0.0, 0.0)
+  assert int(state.step) == 4
   assert step._cache_size() == 1, "three same-shaped batches compiled more than one program"
 
 

@@ -275,11 +275,12 @@ def train_step(state: TrainState, batch: TrainBatch, *, fns: PolicyFns, cfg: Tra
     params = optax.apply_updates(state.params, updates)
   keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   rewards = batch.rewards_MB.reshape(-1)
+  n_tokens = jnp.sum(batch.mask_MBT.astype(jnp.float32))
   metrics.update({
       "loss": loss, "grad_norm": grad_norm, "lr": learning_rate(cfg.optim)(state.step),
       "reward/mean": jnp.mean(rewards), "reward/std": jnp.std(rewards),
-      "adv/mean": masked_mean(adv_MBT, batch.mask_MBT), "tokens": norm.n_tokens,
-      "response_len/mean": norm.n_tokens / (M * B), "step_ok": ok.astype(jnp.float32),
+      "adv/mean": masked_mean(adv_MBT, batch.mask_MBT), "tokens": n_tokens,  # the count (norm's is at least 1)
+      "response_len/mean": n_tokens / (M * B), "step_ok": ok.astype(jnp.float32),
   })
   new_state = state.replace(step=state.step + 1, params=keep_old(params, state.params),
                             opt_state=advance_schedule(keep_old(opt_state, state.opt_state), opt_state),
