@@ -21,7 +21,8 @@ import time
 import jax
 
 from jaxrl_topo.mux import report
-from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig, on_policy
+from jaxrl_topo.mux.group import Group
+from jaxrl_topo.mux.spec import JobSpec, MuxConfig, on_policy
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 

@@ -42,7 +42,8 @@ _RESIZE = flags.DEFINE_bool("resize", True, "mux.resize: a rollout that starts b
 def checked_group(workdir: str):
   """The Group: every job parsed and checked (a one-line error names the first that fails), then the group admitted
   (host memory, devices, same pools), all before anything is written."""
-  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+  from jaxrl_topo.mux.group import Group
+  from jaxrl_topo.mux.spec import JobSpec, MuxConfig
 
   specs = []
   for i, spec in enumerate(_JOB.value):
@@ -108,7 +109,7 @@ def _run_group(group, workdir: str, specs) -> None:
           file=sys.stderr)
   for note in changed_configs(specs):  # as train.py says it: a relaunch may change a job's config, but not unsaid
     print(note, file=sys.stderr)
-  for s in specs:  # the job as the group runs it (disaggregated, eta 0: group.on_policy), so review reads what ran
+  for s in specs:  # the job as the group runs it (disaggregated, eta 0: spec.on_policy), so review reads what ran
     run.save_config(run.config_dict(s.cfg), s.workdir)
     write_identity(s.cfg, s.workdir)  # a relaunch with another model or data on this workdir is refused
   group.build()

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.mux import warm
-from jaxrl_topo.mux.group import MUX_SPANS, Group, JobSpec, MuxConfig, compile_counts, on_policy
+from jaxrl_topo.mux.group import MUX_SPANS, Group
 from jaxrl_topo.mux.pools import RoundRobin
 from jaxrl_topo.mux.report import read_spans
+from jaxrl_topo.mux.spec import JobSpec, MuxConfig, compile_counts, on_policy
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 from jaxrl_topo.runtime.metrics import comparable

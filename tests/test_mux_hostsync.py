@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.mux import warm
-from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig, on_policy
+from jaxrl_topo.mux.group import Group
+from jaxrl_topo.mux.spec import JobSpec, MuxConfig, on_policy
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.metrics import comparable
 from tests.test_mux import _diff, _records, job_cfg

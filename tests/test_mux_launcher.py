@@ -72,7 +72,7 @@ def test_a_finished_job_keeps_the_figures_of_the_session_that_finished_it():
 
 def test_a_job_resumed_under_a_changed_config_is_noted(tmp_path):
   """As train.py warns on a resume that changes the config (before: mux.py went on with only 'resumed at step')."""
-  from jaxrl_topo.mux.group import JobSpec, on_policy
+  from jaxrl_topo.mux.spec import JobSpec, on_policy
   from jaxrl_topo.runtime import run as run_lib
   from jaxrl_topo.runtime.config import config_from_file, from_config_dict
   from launchers.mux import changed_configs
@@ -132,7 +132,8 @@ def test_a_ctrl_c_while_the_jobs_run_waits_for_their_saves_then_stops_the_run(tm
   import threading
 
   from jaxrl_topo.mux import resume
-  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+  from jaxrl_topo.mux.group import Group
+  from jaxrl_topo.mux.spec import JobSpec, MuxConfig
   from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 
   assert threading.current_thread() is threading.main_thread()  # where a signal handler can be set, as in mux.py
@@ -274,7 +275,8 @@ def test_meshes_the_model_does_not_divide_over_are_refused_before_anything_is_wr
   """Group.admit (the launcher's last check before it writes job folders) now checks each job's model and batch
   against its meshes (preflight.check_shapes). Before: the job folders, config.json and identity.json were
   written, then the job failed its build (a rollout mesh of tensor=3 does not divide the vocabulary)."""
-  from jaxrl_topo.mux.group import Group, JobSpec, MuxConfig
+  from jaxrl_topo.mux.group import Group
+  from jaxrl_topo.mux.spec import JobSpec, MuxConfig
 
   _, c = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["topology.mode='disaggregated'", "topology.rollout.tensor=3"], 0)
   spec = JobSpec("0-grpo_task", check_job("0-grpo_task", c, str(tmp_path / "group" / "0-grpo_task")),

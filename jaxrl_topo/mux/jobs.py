@@ -48,7 +48,7 @@ def check_job(job_id: str, config, workdir: str):
   from jaxrl_topo.runtime.workdir import check_workdir
 
   try:
-    if config.topology.mode == "colocated":  # checked as the group runs it (group.on_policy): before, a trainer mesh
+    if config.topology.mode == "colocated":  # checked as the group runs it (spec.on_policy): before, a trainer mesh
       config = config.copy_and_resolve_references()  # of its own was refused as "colocated mode time-shares ..."
       config.topology.mode = "disaggregated"
     cfg = from_config_dict(config)
@@ -63,7 +63,7 @@ def check_job(job_id: str, config, workdir: str):
 
 def mode_notice(job_id: str, cfg) -> str | None:
   """The line the launcher prints when a job asked for another mode than the group runs it in: every job runs
-  disaggregated and strictly on-policy (eta = 0, mux/group.py on_policy); colocated, the default, says nothing."""
+  disaggregated and strictly on-policy (eta = 0, mux/spec.py on_policy); colocated, the default, says nothing."""
   if cfg.topology.mode != "async":
     return None
   return (f"note: job {job_id}: topology.mode=async runs disaggregated in a mux group, strictly on-policy "
