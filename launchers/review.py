@@ -49,6 +49,9 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.review import group, outdir
 
   outdir.check_out(_OUT.value, _WORKDIR.value)  # before anything is read or written
+  if _CONFIG.value is not None and _WORKDIR.value is not None and group.is_group(_WORKDIR.value):
+    raise app.UsageError(f"--workdir={_WORKDIR.value} is a multiplexed group: its review takes no --config (a what-if "
+                         "is for one run: give one job's folder, <group>/<i>-<config>, with --config)")
   if _CONFIG.value is None and group.is_group(_WORKDIR.value):  # a co-execution group (launchers/mux.py)
     fig = group.write_group_record(_WORKDIR.value, _OUT.value)
     print(group.to_markdown(fig))

@@ -87,6 +87,20 @@ def test_a_phases_compile_seconds_are_shown_and_left_out_of_its_median():
   assert "| train | 2 | 17.000 | 13.000 | 2.000 | 2.000 | +0% |" in rep.to_markdown()
 
 
+def test_the_medians_skip_the_steps_the_fit_skips():
+  """The review's fit skips step 0 (its programs' first runs); the measured medians compared with it did not, so a
+  short run's slow first step moved them. A phase with no later step keeps its own."""
+  spans = _colocated_timeline()
+  spans[2] = {**spans[2], "end": spans[2]["end"] + 10.0}  # train step 0: 12 s, step 1: 2 s
+  spans = [s for s in spans if not (s["phase"] == "sync" and s["step"] == 1)]
+  assert audit.overlap_audit(spans).phases["train"].median_step_s == pytest.approx(7.0)
+  rep = audit.overlap_audit(spans, {"train": 2.0}, skip_steps=1)
+  assert rep.phases["train"].median_step_s == pytest.approx(2.0) and not rep.flagged
+  assert rep.phases["train"].total_s == pytest.approx(14.0)  # totals keep every step
+  assert rep.phases["sync"].median_step_s == pytest.approx(0.5)  # step 0 only: its own
+  assert "| median s/step (from step 1) |" in rep.to_markdown()
+
+
 def test_disaggregated_rollout_overlaps_train_exactly():
   rep = audit.overlap_audit(_disaggregated_timeline())
   ro_tr = rep.overlap("rollout", "train")

@@ -98,6 +98,15 @@ def test_the_launcher_refuses_in_one_line_before_reading_the_run(tmp_path):
                      env=cpu_env())
   assert r.returncode == 2 and r.stderr.startswith("error: --out=") and "own checkpoints/" in r.stderr, r.stderr[-3000:]
   assert "Traceback" not in r.stderr and os.listdir(run / "checkpoints") == ["4"]
+  # A group with --config (a what-if): one line naming the group. Before: "no metrics file at ...: was a
+  # MetricsWriter created with workdir=...?"
+  (tmp_path / "group").mkdir()
+  (tmp_path / "group" / "mux_spans.jsonl").write_text("")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "review.py"), f"--workdir={tmp_path / 'group'}",
+                      "--config=configs/grpo_task.py:tiny", f"--out={tmp_path / 'rv'}"], capture_output=True,
+                     text=True, cwd=ROOT, timeout=300, env=cpu_env())
+  assert r.returncode == 2 and "is a multiplexed group: its review takes no --config" in r.stderr, r.stderr[-3000:]
+  assert not (tmp_path / "rv").exists()
   r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "review.py"), f"--workdir={run}",
                       f"--out={run / 'review'}"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=cpu_env())
   assert r.returncode == 0 and (run / "review" / "record.md").is_file(), r.stderr[-3000:]

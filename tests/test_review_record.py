@@ -63,7 +63,7 @@ def test_record_of_a_measured_run_is_consistent(tmp_path):
   from jaxrl_topo.runtime.metrics import read_metrics
 
   workdir = tmp_path / "run"
-  cfg = tiny_cfg("disaggregated", steps=4)
+  cfg = tiny_cfg("disaggregated", steps=4, **{"run.eval_every": 2})
   run_lib.train(cfg, str(workdir), progress=False)
   fig = write_record(cfg, str(tmp_path / "record"), workdir=str(workdir))
   measured = read_metrics(str(workdir))
@@ -83,6 +83,13 @@ def test_record_of_a_measured_run_is_consistent(tmp_path):
   assert stream[1]["compile_s"] > 0.5 * (stream[1]["end"] - stream[1]["start"])
   rollout = next(c for c in fig["overlap"]["comparisons"] if c["phase"] == "rollout")
   assert 0.5 < rollout["predicted_s"] / rollout["measured_s"] < 2
+  # Train step 0's span opens at its dispatch, its compile inside (before: between spans, a colocated trainer idle).
+  train0 = next(s for s in spans if s["phase"] == "train" and s["step"] == 0)
+  assert train0["compile_s"] > 0.5 * (train0["end"] - train0["start"])
+  # The evaluation after step 1 (weights 2) decodes after a drain: no rollout span covers it (before: the next
+  # batch's span did, and read the evaluation as decoding).
+  (ev,) = [s for s in spans if s["phase"] == "eval"]
+  assert all(s["end"] <= ev["start"] or s["start"] >= ev["end"] for s in stream.values()), (ev, stream)
 
 
 def _synthetic_run(workdir, spans_of_step, n_steps=8):
@@ -143,6 +150,7 @@ def test_a_what_if_config_checks_the_runs_lags_against_the_runs_own_bound(tmp_pa
   from run_fixtures import load_config
 
   from jaxrl_topo.review.audit import StalenessViolation
+  from jaxrl_topo.runtime import run as run_lib
   from jaxrl_topo.runtime.config import from_config_dict
 
   _disaggregated_run(tmp_path / "run")
@@ -153,6 +161,20 @@ def test_a_what_if_config_checks_the_runs_lags_against_the_runs_own_bound(tmp_pa
   assert fig["sim_params"]["batch_seqs"] == 16 and fig["sim_params"]["eta"] == 1  # colocated's rows simulate eta 1
   page = (tmp_path / "record" / "record.md").read_text()
   assert "Measured under the run's own bound (disaggregated, eta = 1)" in page
+  assert fig["sim_params"]["n_devices"] == 1 and not fig["overlap"]["flagged"]  # the config's one device
+  # Another mesh: simulated on the config's devices (before: the run's 4 + 4, whatever --config said), at the
+  # run's per-device rates; the measured timeline is still checked against the run as it ran (nothing flagged).
+  c = load_config("grpo_task", "tiny", **{"data.batch_size": 4, "rl.group_size": 4, "rollout.continuous": False})
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 2}, rollout={"data": 2})
+  four = write_record(from_config_dict(c), str(tmp_path / "four"), workdir=str(tmp_path / "run"))
+  own = write_record(run_lib.load_config(str(tmp_path / "run")), str(tmp_path / "own"), workdir=str(tmp_path / "run"))
+  assert (four["sim_params"]["n_devices"], four["sim_params"]["rollout_devices"]) == (4, 2)
+  assert (own["sim_params"]["n_devices"], own["sim_params"]["rollout_devices"]) == (8, 4)
+  assert four["sim_params"]["tokens_per_s_per_device"] == own["sim_params"]["tokens_per_s_per_device"]
+  assert four["steps_per_hour"]["disaggregated"] < own["steps_per_hour"]["disaggregated"]  # half the devices
+  assert not four["overlap"]["flagged"] and not own["overlap"]["flagged"]
+  assert "simulated on this config's 4 devices" in four["simulator_source"]
+  assert own["simulator_source"] == f"calibrated from the spans of {tmp_path / 'run'}"
   _disaggregated_run(tmp_path / "bad", lag=2)  # past the run's own bound: still a loud failure
   with pytest.raises(StalenessViolation, match="eta=1"):
     write_record(what_if, str(tmp_path / "record2"), workdir=str(tmp_path / "bad"))

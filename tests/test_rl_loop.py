@@ -66,6 +66,8 @@ def test_each_mode_trains_and_stays_within_the_staleness_bound(mode, mode_runs):
     assert all(r[f"time/{p}_s"] >= 0 for p in ("rollout", "reward", "train", "sync")), r
   if mode == "colocated":
     assert set(train[0]["devices"]) == set(rollouts[0]["devices"]) == {0, 1, 2, 3}
+    # Step 0's span opens at its dispatch, so its compile is inside it (before: between spans, the devices idle)
+    assert train[0]["compile_s"] > 0.1 * (train[0]["end"] - train[0]["start"]), train[0]
     assert all(_spans_overlap(train[k], rollouts[k + 1]) <= 0 for k in range(MODE_STEPS - 1))
   else:
     assert set(train[0]["devices"]) == {0, 1, 2, 3} and set(rollouts[0]["devices"]) == {4, 5, 6, 7}

@@ -84,7 +84,7 @@ class PhaseStats:
   steps: int  # distinct steps with this phase
   total_s: float  # sum of span durations
   busy_s: float  # union of the spans (<= total_s when spans of one phase overlap)
-  median_step_s: float  # median over steps of the phase's seconds in that step, less its XLA compiles
+  median_step_s: float  # median over steps (from skip_steps) of the phase's seconds in a step, less its compiles
   compile_s: float = 0.0  # of total_s, the seconds its spans spent compiling (a span's compile_s, runtime/spans.py)
 
 
@@ -126,6 +126,7 @@ class OverlapReport:
   idle: dict[str, SideIdle]  # "trainer", "rollout" (and "shared" when both sides use the same devices)
   comparisons: tuple[Comparison, ...] = ()
   tolerance: float = 0.2
+  skip_steps: int = 0  # the medians start at this step (where a phase has one)
 
   @property
   def overlapped(self) -> list[PairOverlap]:
@@ -156,8 +157,9 @@ class OverlapReport:
 
   def to_markdown(self) -> str:
     pred = {c.phase: c for c in self.comparisons}
+    med = f"median s/step (from step {self.skip_steps})" if self.skip_steps else "median s/step"
     lines = [f"### Timeline: {self.makespan_s:.3f} s over {self.n_steps} steps", "",
-             "| phase | spans | total s | of it compiling | median s/step | predicted s/step | off |",
+             f"| phase | spans | total s | of it compiling | {med} | predicted s/step | off |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for name, st in self.phases.items():
       c = pred.get(name)
@@ -175,13 +177,15 @@ class OverlapReport:
     return "\n".join(lines) + "\n"
 
 
-def _phase_stats(spans: list[dict]) -> dict[str, PhaseStats]:
+def _phase_stats(spans: list[dict], skip_steps: int = 0) -> dict[str, PhaseStats]:
   out = {}
   for phase in _phase_order(sp["phase"] for sp in spans):
     mine = [sp for sp in spans if sp["phase"] == phase]
     per_step: dict[int, float] = {}
+    later = any(sp["step"] >= skip_steps for sp in mine)
     for sp in mine:  # the seconds it ran: a step's new-shape compile is not read as a slow phase
-      per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"] - sp.get("compile_s", 0.0)
+      if sp["step"] >= skip_steps or not later:
+        per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"] - sp.get("compile_s", 0.0)
     out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
                             busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
                             median_step_s=statistics.median(per_step.values()),
@@ -217,10 +221,12 @@ def _compare(phases: dict[str, PhaseStats], predicted: Mapping[str, float], tole
   return tuple(out)
 
 
-def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, tolerance: float = 0.2
-                  ) -> OverlapReport:
+def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, tolerance: float = 0.2,
+                  skip_steps: int = 0) -> OverlapReport:
   """Audits a run's timeline (spans.jsonl records). `predicted`: phase -> predicted seconds per step, compared with
   the measured per-step medians; a phase more than `tolerance` (relative) off is flagged, as is one never measured.
+  The medians leave out steps before `skip_steps` where a phase has later ones (the review's fit skips the first
+  step: its programs' first runs are slower, compiles aside).
 
   Idle fractions are over the makespan: the trainer's devices are busy during train and sync spans, the rollout's
   during rollout, eval and sync spans (reward spans run on the host and count for neither)."""
@@ -229,7 +235,7 @@ def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, 
   _check_spans(spans)
   start = min(sp["start"] for sp in spans)
   makespan = max(sp["end"] for sp in spans) - start
-  phases = _phase_stats(spans)
+  phases = _phase_stats(spans, skip_steps)
   unions = {p: _busy(spans, (p,)) for p in phases}
   pairs = []
   for a, b in itertools.combinations(phases, 2):
@@ -242,4 +248,5 @@ def overlap_audit(spans: list[dict], predicted: dict[str, float] | None = None, 
     idle["shared"] = _side(spans, tuple(dict.fromkeys(TRAINER_PHASES + ROLLOUT_PHASES)), "train", makespan)
   steps = {sp["step"] for sp in spans if sp["phase"] == "train"} or {sp["step"] for sp in spans}
   return OverlapReport(start_s=start, makespan_s=makespan, n_steps=len(steps), phases=phases, pairs=tuple(pairs),
-                       idle=idle, comparisons=_compare(phases, predicted or {}, tolerance), tolerance=tolerance)
+                       idle=idle, comparisons=_compare(phases, predicted or {}, tolerance), tolerance=tolerance,
+                       skip_steps=skip_steps)

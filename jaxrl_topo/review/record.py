@@ -121,8 +121,15 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     fit = ran or cfg
     params = calibrate.calibrate(spans, batch_seqs=fit.data.batch_size * fit.rl.group_size, tokens_per_step=tokens,
                                  eta=_eta(fit), skip_steps=skip, stream=fit.continuous_rollout)
-    params = dataclasses.replace(params, eta=_eta(cfg))  # fitted as the run ran; simulated at the config's bound
+    fitted = params  # as the run ran: the measured timeline is checked against it
+    params = dataclasses.replace(params, eta=_eta(cfg))  # simulated at the config's bound
     source = f"calibrated from the spans of {workdir}"
+    if ran is None or ran != cfg:  # a what-if: the config's devices too, at the run's per-device rates
+      planned = sim_params(cfg, assumptions, sync_bytes)
+      params = dataclasses.replace(params, n_devices=planned.n_devices, rollout_devices=planned.rollout_devices)
+      source += (f" (per-device decode rate; train time from its {params.train_devices} trainer devices, scaled "
+                 f"ideally; its batch of {params.batch_seqs} sequences), simulated on this config's "
+                 f"{params.n_devices} devices at eta = {params.eta}")
   else:
     params = sim_params(cfg, assumptions, sync_bytes)
     source = "assumptions (no measured run given)"
@@ -149,14 +156,14 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     fig["run_staleness"] = beside.to_dict()
   predicted = None
   if spans:
-    sim = timelines[mode]
+    sim = timelines[mode] if fitted == params else simulator.simulate(fit.topology.mode, fitted, n_steps=24)
     predicted = {ph: float(np.median([s.end - s.start for s in sim.of(ph)])) for ph in ("rollout", "train", "sync")
                  if sim.of(ph)}
     # The simulator's train phase holds the log-prob pre-pass (calibrate adds it in); the run logs it apart.
     logprobs = calibrate.phase_median(spans, "logprobs", skip)
     if logprobs is not None and "train" in predicted:
       predicted["train"] = max(0.0, predicted["train"] - logprobs)
-    fig["overlap"] = audit.overlap_audit(spans, predicted).to_dict()
+    fig["overlap"] = audit.overlap_audit(spans, predicted, skip_steps=skip).to_dict()
   plots.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
   if sweep:
     plots.plot_split_sweep(sweep, os.path.join(out_dir, "split_sweep.png"))
@@ -236,7 +243,8 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
               observed.to_markdown()]
   lines += ["", "## Overlaps required", f"- {fig['overlaps_required']}"]
   if "overlap" in fig:
-    lines += ["", "## Measured timeline", audit.overlap_audit(spans, predicted).to_markdown()]
+    lines += ["", "## Measured timeline", audit.overlap_audit(spans, predicted, skip_steps=fig["overlap"]["skip_steps"]
+                                                              ).to_markdown()]
   source = fig["simulator_source"]
   if not spans:
     source += "; " + ", ".join(f"{k}={v}" for k, v in fig["assumptions"].items() if v is not None)

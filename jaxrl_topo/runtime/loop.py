@@ -226,7 +226,10 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
       hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre))
     train = to_host(flight.metrics)
     end = flight.watch.done_at
-    hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, t_pre, end))
+    # The span opens at the dispatch: a first step's compile is in it (its compile_s, runtime/spans.py), not lost
+    # between spans (a colocated run's trainer read as idle while it compiled)
+    hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, flight.watch.pre_done_at or flight.t0,
+                       end))
     overlap = chunks.tokens_within(flight.queued_at, end)
     version += 1
     t_sync = time.perf_counter()

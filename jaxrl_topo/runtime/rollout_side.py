@@ -236,6 +236,7 @@ class _Batch:
   added_at: float
   gen_id: int  # the rollout weights when it was added
   tickets: dict = dataclasses.field(default_factory=dict)  # group -> reward-pool ticket
+  drained_at: float | None = None  # finished by a drain (before an evaluation): its decoding ended then
   scored_early: int = 0  # groups handed to the pool before the batch's last sample ended
 
 
@@ -280,9 +281,11 @@ class Feed:
     samples = self.stream.run_until(k)
     t1 = time.perf_counter()
     # Batches overlap in the stream: batch k's span starts when it joined, or when batch k-1 finished if that
-    # is later, so the spans tile the rollout side's busy time (one batch's worth of decoding each).
-    start, self._last_done = max(b.added_at, self._last_done), t1
-    self.on_span(span("rollout", "rollout", _devices(exp.topology.rollout), k, b.gen_id, start, t1))
+    # is later, so the spans tile the rollout side's busy time (one batch's worth of decoding each). A batch a
+    # drain finished ends there: the evaluation after it decoded none of it.
+    end = t1 if b.drained_at is None else b.drained_at
+    start, self._last_done = max(b.added_at, self._last_done), end
+    self.on_span(span("rollout", "rollout", _devices(exp.topology.rollout), k, b.gen_id, start, end))
     rewards, main, info = score(exp, b.examples, samples, [b.tickets.get(g) for g in range(len(b.examples))], tag=k)
     t2 = time.perf_counter()
     self.on_span(span("reward", "reward", _reward_devices(exp), k, b.gen_id, t1, t2))
@@ -296,6 +299,9 @@ class Feed:
   def drain(self) -> None:
     """Finishes every batch added so far (they stay to be taken): evaluation needs the engine's slots."""
     self.stream.drain()
+    t = time.perf_counter()
+    for b in self.batches.values():
+      b.drained_at = b.drained_at or t
 
   def close(self, abandon: bool = False) -> None:
     """Ends the stream. `abandon` (the loop is failing): batches added and never taken are dropped, and
