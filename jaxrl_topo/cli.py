@@ -84,6 +84,8 @@ def message(e: BaseException) -> str:
       key, _, hint = text.partition("\n")
       return f"no config key {key}" + (f". {hint}" if hint else "") if isinstance(inner, KeyError) else text
     inner = inner.args[0]
+  if isinstance(e, OSError) and e.filename and e.strerror:  # "README.md/x: Not a directory", not "[Errno 20] ..."
+    return f"{e.filename}: {e.strerror}"
   text = str(e) or type(e).__name__
   if "Failed loading config file" in text:  # ml-collections' four lines, naming its own flag "config_config"
     return f"--config: {text.strip().splitlines()[-1].strip()}"
@@ -173,7 +175,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   the real error; so nothing is parsed twice here. `--config.key=None` sets the key to None (_set_nones)."""
   argv, nones = _none_overrides(argv)
   try:
-    _one_config_file(argv)
+    _given_once(argv)
     rest = flags.FLAGS(argv)
     _set_nones(nones)
     empty = [name for name in _PATH_FLAGS if name in flags.FLAGS and flags.FLAGS[name].value is not None
@@ -192,20 +194,26 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if "Error whilst parsing config file" in text:
       flag = next((a for a in argv[1:] if a.startswith(("--config=", "-config="))), "--config")
       text = f"{flag}: {text.splitlines()[-1]}"
+    if "Unknown command line flag 'config'" in text and "job" in flags.FLAGS:  # mux.py: one config per job
+      text += "; give each job's config file as --job=FILE[:ARG][,key=value,...]"
     print(f"error: {text}\n(--helpfull lists every flag; run with --traceback to see where it was raised)",
           file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 
 
-def _one_config_file(argv: list[str]) -> None:
-  """Refuses a second --config: absl keeps the last one, so `--config=a.py --config=b.py` silently ran b.py (and
-  with overrides it failed as "flag defined twice")."""
+_ONCE_FLAGS = ("config", "workdir", "out")  # what a launch reads and writes: a second one is a mistake, not an override
+
+
+def _given_once(argv: list[str]) -> None:
+  """Refuses a second --config, --workdir or --out: absl keeps the last one, so `--config=a.py --config=b.py`
+  silently ran b.py (with overrides it failed as "flag defined twice"), and `--workdir=a --workdir=b` wrote b."""
   end = argv.index("--") if "--" in argv else len(argv)
-  given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < end else "") for i, a in enumerate(argv[:end])
-           if i and a.split("=", 1)[0] in ("--config", "-config")]
-  if len(given) > 1:
-    raise UserError(f"--config given {len(given)} times ({', '.join(given)}): give one config file, and change its "
-                    "keys with --config.<key>=value")
+  for name in _ONCE_FLAGS:
+    given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < end else "")
+             for i, a in enumerate(argv[:end]) if i and a.split("=", 1)[0] in (f"--{name}", f"-{name}")]
+    if len(given) > 1:
+      keys = ", and change its keys with --config.<key>=value" if name == "config" else ""
+      raise UserError(f"--{name} given {len(given)} times ({', '.join(given)}): give one{keys}")
 
 
 def _none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -250,13 +258,18 @@ def apply_override(config, item: str, where: str = "") -> None:
     raise UserError(f"{where}: expected key=value")
   *path, last = key.split(".")
   try:
-    config_path.get_type(key, config)  # the key exists (else the nearest one is named)
+    want = config_path.get_type(key, config)  # the key exists (else the nearest one is named)
+  except (KeyError, AttributeError) as e:
+    said = message(e)
+    raise UserError(f"{where}: {said}{overrides_hint(said, ['--config.' + key])}") from None
+  try:
     node = config
     for p in path:
       node = node[p]
     node[last] = value_of(text)
-  except (KeyError, AttributeError, TypeError, ValueError) as e:
-    raise UserError(f"{where}: {message(e)}") from None
+  except (TypeError, ValueError) as e:  # ml-collections' "Could not override field ... cannot be casted"
+    said = f"{text!r} is not a valid {getattr(want, '__name__', want)}" if "cast" in str(e) else message(e)
+    raise UserError(f"{where}: {said}") from None
 
 
 _PATH_FLAGS = ("workdir", "out")  # the launchers' path flags: an empty value is refused when parsed

@@ -139,13 +139,16 @@ def test_a_value_of_the_wrong_type_is_one_line(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
-def test_a_second_config_file_is_refused(tmp_path):
+def test_a_second_config_file_or_workdir_is_refused(tmp_path):
   """Before: absl kept the last --config, so `--config=grpo_task.py --config=dapo.py` trained DAPO without a word
-  (and with an override after each, failed as "flag defined twice")."""
+  (and with an override after each, failed as "flag defined twice"); a second --workdir was taken as silently."""
   r = _train(TINY, "--config", "configs/dapo.py", f"--workdir={tmp_path / 'w'}")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert r.stderr.startswith(f"error: --config given 2 times ({TINY.split('=', 1)[1]}, configs/dapo.py): "), r.stderr
   assert not (tmp_path / "w").exists()
+  r = _train(TINY, f"--workdir={tmp_path / 'a'}", "--workdir", str(tmp_path / "b"))  # before: b, without a word
+  assert r.returncode == 2 and r.stderr.startswith(f"error: --workdir given 2 times ({tmp_path / 'a'}, "), r.stderr
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_a_model_directory_is_refused_as_a_workdir_untouched(tmp_path):
@@ -190,6 +193,7 @@ def test_fresh_refuses_a_checkpoints_folder_that_is_not_a_runs(tmp_path):
 def test_other_launchers_refuse_out_of_range_flags(tmp_path, script, args, says):
   out = tmp_path / "rv"
   review = [f"--out={out}", "--config=configs/grpo_task.py:tiny"] if script == "review.py" else []
+  review = [r for r in review if r.split("=")[0] not in {a.split("=")[0] for a in args}]  # one --out: a 2nd is refused
   r = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", script), *review, *args],
                      capture_output=True, text=True, cwd=ROOT, timeout=120, env=_env())
   assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -157,6 +157,17 @@ def test_an_unknown_key_is_rejected_with_its_job_spec():
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,rl.gruop_size=8", [], 0)
 
 
+def test_a_jobs_bad_value_missing_file_or_override_field_is_one_clear_line():
+  """Before: ml-collections' "Could not override field 'seed' (reference). abc is of original type <class 'str'> and
+  cannot be casted ..."; a missing config file that named no job; a missing overrides field without train.py's hint."""
+  with pytest.raises(UserError, match=r"^job 0-grpo_task: override 'run.seed=abc': 'abc' is not a valid int$"):
+    parse_job(f"{CONFIGS}/grpo_task.py:tiny,run.seed=abc", [], 0)
+  with pytest.raises(UserError, match=r"^job 1-nope \(--job=configs/nope.py:tiny\): no config file at configs/nope"):
+    parse_job("configs/nope.py:tiny", [], 1)
+  with pytest.raises(UserError, match="no config key 'n_layers'\nhint: model.overrides holds only"):
+    parse_job(f"{CONFIGS}/grpo_task.py", ["model.overrides.n_layers=3"], 0)
+
+
 def test_each_job_is_checked_before_anything_is_written(tmp_path):
   """A job with bad data, or whose workdir holds another run, is refused by its id before the launcher writes any
   job's files (it checks every job first); a good job passes and its workdir stays empty."""

@@ -27,8 +27,11 @@ def parse_job(spec: str, common: Sequence[str], index: int):
 
   head, *own = spec.split(",")
   path, _, arg = head.partition(":")
-  config = config_from_file(path, arg or None)
   job_id = f"{index}-{os.path.splitext(os.path.basename(path))[0]}"
+  try:
+    config = config_from_file(path, arg or None)
+  except (OSError, ValueError) as e:  # named by the job, as its other errors are
+    raise UserError(f"job {job_id} (--job={spec}): {e}") from None
   for item in common:
     apply_override(config, item, f"--config.{item}")
   for item in own:
