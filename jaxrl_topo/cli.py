@@ -92,18 +92,20 @@ def message(e: BaseException) -> str:
   return text
 
 
-def overrides_hint(msg: str, argv: list[str]) -> str:
+def overrides_hint(msg: str, argv: list[str], job: bool = False) -> str:
   """For "no config key 'x'" from `--config.<...>.overrides.x=v`: ml-collections adds no key from the command line,
-  so a field the config's overrides (a dict) do not hold is given with the whole dict."""
+  so a field the config's overrides (a dict) do not hold is given with the whole dict. `job`: the override was a
+  mux job's own (`--job=FILE,key=value`), whose dict takes one field (a comma ends the item)."""
   missing = re.match(r"no config key '([^']+)'", msg)
   keys = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
   path = next((k[len("--config."):] for k in keys if missing and k.endswith(f".overrides.{missing.group(1)}")), None)
   if path is None:
     return ""
-  field = missing.group(1)
-  return (f"\nhint: {path.rsplit('.', 1)[0]} holds only the fields its config file gives it, and a command line adds "
-          f"no key: give the whole dict, e.g. --config.{path.rsplit('.', 1)[0]}=\"{{'{field}': ...}}\" (it replaces "
-          f"the config's own)")
+  field, section = missing.group(1), path.rsplit(".", 1)[0]
+  whole = (f"{section}={{'{field}': ...}} in the --job (one field: a comma ends the item)" if job else
+           f"--config.{section}=\"{{'{field}': ...}}\"")
+  return (f"\nhint: {section} holds only the fields its config file gives it, and a command line adds no key: give "
+          f"the whole dict, e.g. {whole} (it replaces the config's own)")
 
 
 def device_hint(msg: str) -> str:
@@ -208,7 +210,7 @@ def _given_once(argv: list[str]) -> None:
   """Refuses a second --config, --workdir or --out: absl keeps the last one, so `--config=a.py --config=b.py`
   silently ran b.py (with overrides it failed as "flag defined twice"), and `--workdir=a --workdir=b` wrote b."""
   end = argv.index("--") if "--" in argv else len(argv)
-  for name in _ONCE_FLAGS:
+  for name in (n for n in _ONCE_FLAGS if n in flags.FLAGS):  # mux.py has no --config: its own message says why
     given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < end else "")
              for i, a in enumerate(argv[:end]) if i and a.split("=", 1)[0] in (f"--{name}", f"-{name}")]
     if len(given) > 1:
@@ -261,7 +263,8 @@ def apply_override(config, item: str, where: str = "") -> None:
     want = config_path.get_type(key, config)  # the key exists (else the nearest one is named)
   except (KeyError, AttributeError) as e:
     said = message(e)
-    raise UserError(f"{where}: {said}{overrides_hint(said, ['--config.' + key])}") from None
+    hint = overrides_hint(said, ["--config." + key], job=where.startswith("job "))
+    raise UserError(f"{where}: {said}{hint}") from None
   try:
     node = config
     for p in path:

@@ -26,8 +26,8 @@ _EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to
 
 
 class CompileLog:
-  """Names of the functions JAX traced or lowered while `recording` (one listener for the process: JAX has
-  no public way to remove one)."""
+  """Names of the functions JAX traced or lowered while `recording` (one listener for the test session, registered
+  at import; runtime/spans.py CompileLog is the run's own, timing the compiles inside each span)."""
 
   def __init__(self):
     self.recording = False

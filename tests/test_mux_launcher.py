@@ -164,8 +164,10 @@ def test_a_jobs_bad_value_missing_file_or_override_field_is_one_clear_line():
     parse_job(f"{CONFIGS}/grpo_task.py:tiny,run.seed=abc", [], 0)
   with pytest.raises(UserError, match=r"^job 1-nope \(--job=configs/nope.py:tiny\): no config file at configs/nope"):
     parse_job("configs/nope.py:tiny", [], 1)
-  with pytest.raises(UserError, match="no config key 'n_layers'\nhint: model.overrides holds only"):
+  with pytest.raises(UserError, match="no config key 'n_layers'\nhint: model.overrides holds only.*--config.model"):
     parse_job(f"{CONFIGS}/grpo_task.py", ["model.overrides.n_layers=3"], 0)
+  with pytest.raises(UserError, match=r"e.g. model.overrides=\{'n_layers': ...\} in the --job \(one field"):
+    parse_job(f"{CONFIGS}/grpo_task.py,model.overrides.n_layers=3", [], 0)
 
 
 def test_each_job_is_checked_before_anything_is_written(tmp_path):

@@ -99,6 +99,10 @@ def test_the_medians_skip_the_steps_the_fit_skips():
   assert rep.phases["train"].total_s == pytest.approx(14.0)  # totals keep every step
   assert rep.phases["sync"].median_step_s == pytest.approx(0.5)  # step 0 only: its own
   assert "| median s/step (from step 1) |" in rep.to_markdown()
+  # A stream's empty tile (two batches finished by one drain: the second's span is [t, t]) is no step's time
+  spans += [_span("rollout", 2, 12.0, 14.0, DEV), _span("rollout", 3, 14.0, 14.0, DEV),
+            _span("rollout", 4, 14.0, 14.0, DEV)]  # counted, the median of 2, 2, 0, 0 was 1
+  assert audit.overlap_audit(spans, skip_steps=1).phases["rollout"].median_step_s == pytest.approx(2.0)
 
 
 def test_disaggregated_rollout_overlaps_train_exactly():

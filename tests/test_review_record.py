@@ -142,6 +142,29 @@ def _disaggregated_run(workdir, lag: int = 1):
   run_lib.save_config(run_lib.config_dict(from_config_dict(c)), str(workdir))
 
 
+def test_a_what_if_in_another_mode_on_the_same_devices_checks_the_run_as_it_ran(tmp_path):
+  """A colocated run (8 devices) reviewed with a disaggregated 4 + 4 config at eta 1: the fit's parameters are the
+  same either way, and the measured timeline was checked against the disaggregated simulation, flagging every
+  phase (+100%). Now it is checked against the run's own mode."""
+  from run_fixtures import load_config
+
+  from jaxrl_topo.runtime import run as run_lib
+  from jaxrl_topo.runtime.config import from_config_dict
+
+  c = load_config("grpo_task", "tiny", **{"data.batch_size": 4, "rl.group_size": 4})
+  c.topology = dict(mode="colocated", trainer={"fsdp": 8}, rollout={"data": 8})
+  D = list(range(8))
+  _synthetic_run(tmp_path / "run", [dict(phase="rollout", devices=D, start=0, end=4),
+                                    dict(phase="train", devices=D, start=4, end=6),
+                                    dict(phase="sync", devices=D, start=6, end=6.5)])
+  (tmp_path / "run" / "histograms.jsonl").write_text("")  # colocated: every token on-policy
+  run_lib.save_config(run_lib.config_dict(from_config_dict(c)), str(tmp_path / "run"))
+  c.topology = dict(mode="disaggregated", trainer={"fsdp": 4}, rollout={"data": 4})
+  fig = write_record(from_config_dict(c), str(tmp_path / "record"), workdir=str(tmp_path / "run"))
+  assert fig["mode"] == "disaggregated" and (fig["sim_params"]["n_devices"], fig["sim_params"]["eta"]) == (8, 1)
+  assert not fig["overlap"]["flagged"], fig["overlap"]["comparisons"]
+
+
 def test_a_what_if_config_checks_the_runs_lags_against_the_runs_own_bound(tmp_path):
   """review.py --config=<colocated> --workdir=<a disaggregated run> is a what-if on the run's phase times. Before:
   the run's lag-1 tokens were checked against the colocated config's eta=0, and the review died with

@@ -55,13 +55,15 @@ def test_a_span_written_carries_the_compile_seconds_inside_it(tmp_path):
     t1 = time.perf_counter()
     on_span({"phase": "rollout", "step": 0, "start": t0, "end": t1})
     on_span({"phase": "train", "step": 0, "start": t1, "end": time.perf_counter()})
-  rollout, train = spans_lib.read_spans(str(tmp_path))
+    on_span({"phase": "train", "step": 1, "start": t0, "end": t1, "compile_until": t0})  # queued before it compiled
+  rollout, train, queued = spans_lib.read_spans(str(tmp_path))
   assert 0 < rollout["compile_s"] <= rollout["end"] - rollout["start"] + 1e-6
   assert train["compile_s"] == 0.0
+  assert queued["compile_s"] == 0.0 and "compile_until" not in queued
   # A resumed run keeps the spans `keep` accepts, and its clock goes on from the last one's end.
   with spans_lib.CompileLog() as log:
-    on_span = spans_lib.span_writer(str(tmp_path), log, start=1, keep=lambda r: r["phase"] == "rollout")
+    on_span = spans_lib.span_writer(str(tmp_path), log, start=1, keep=lambda r: r["step"] == 0)
     t = time.perf_counter()
     on_span({"phase": "train", "step": 1, "start": t, "end": t + 1.0})
-  kept, new = spans_lib.read_spans(str(tmp_path))
-  assert kept == rollout and new["start"] >= rollout["end"] and json.dumps(new)
+  *kept, new = spans_lib.read_spans(str(tmp_path))
+  assert kept == [rollout, train] and new["start"] >= train["end"] and json.dumps(new)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jaxrl_topo.cli import UserError, apply_override, unescape_stops
+from jaxrl_topo.cli import UserError, apply_override, message, unescape_stops
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -31,7 +31,7 @@ def parse_job(spec: str, common: Sequence[str], index: int):
   try:
     config = config_from_file(path, arg or None)
   except (OSError, ValueError) as e:  # named by the job, as its other errors are
-    raise UserError(f"job {job_id} (--job={spec}): {e}") from None
+    raise UserError(f"job {job_id} (--job={spec}): {message(e)}") from None
   for item in common:
     apply_override(config, item, f"--config.{item}")
   for item in own:

@@ -115,7 +115,7 @@ def noting_interrupts(flag: threading.Event):
 
 def earlier_spans(workdir: str, name: str, starts: dict[str, int], lost: set[str]) -> list[dict]:
   """The spans in the group's spans file `name` of steps each job resumes past (`starts`: job id -> the step it
-  resumes at; none for a job started over), less the evaluation a job in `lost` runs again (run.kept_span)."""
+  resumes at; none for a job started over), less the evaluation a job in `lost` runs again (spans.kept_span)."""
   path = os.path.join(workdir, name)
   if not any(starts.values()) or not os.path.isfile(path):
     return []

@@ -24,8 +24,8 @@ def load_spans(path: str) -> list[dict]:
 
 def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[float]:
   """Per-step wall extent (max end - min start) of a phase, over all processes' spans of that step, less the XLA
-  compiles inside it (a span's `compile_s`, runtime/spans.py; the most of any one span, as processes compile side by
-  side): a step that compiled a new shape is read at the speed it ran."""
+  compiles inside it (a span's `compile_s`, runtime/spans.py; the most of any one span of the step): a step that
+  compiled a new shape is read at the speed it ran."""
   ext: dict[int, tuple[float, float, float]] = {}
   for s in spans:
     if s["phase"] == phase and s["step"] >= skip_steps:

@@ -29,7 +29,7 @@ def read_group_spans(workdir: str) -> list[dict]:
 
 
 def job_spans(spans: Sequence[Mapping], job: str) -> list[dict]:
-  """One job's phases in a solo run's span format (runtime/run.py `read_spans`)."""
+  """One job's phases in a solo run's span format (runtime/spans.py `read_spans`)."""
   return [{"phase": s.get("phase", s["pool"]), "role": s["pool"], "devices": list(s.get("devices", [])),
            "step": s["step"], "gen_id": s["step"], "start": s["start"], "end": s["end"]}
           for s in spans if s["job"] == job]

@@ -85,7 +85,8 @@ class PhaseStats:
   total_s: float  # sum of span durations
   busy_s: float  # union of the spans (<= total_s when spans of one phase overlap)
   median_step_s: float  # median over steps (from skip_steps) of the phase's seconds in a step, less its compiles
-  compile_s: float = 0.0  # of total_s, the seconds its spans spent compiling (a span's compile_s, runtime/spans.py)
+  # of total_s, the seconds its spans spent compiling (a span's compile_s, runtime/spans.py); None: not recorded
+  compile_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ class OverlapReport:
     for name, st in self.phases.items():
       c = pred.get(name)
       off = "" if c is None or c.rel_err is None else f"{c.rel_err:+.0%}" + (" **FLAG**" if c.flagged else "")
-      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {st.compile_s:.3f} | {st.median_step_s:.3f} | "
+      compiling = "n/a" if st.compile_s is None else f"{st.compile_s:.3f}"
+      lines.append(f"| {name} | {st.count} | {st.total_s:.3f} | {compiling} | {st.median_step_s:.3f} | "
                    f"{'' if c is None else f'{c.predicted_s:.3f}'} | {off} |")
     for c in self.comparisons:
       if c.measured_s is None:
@@ -185,11 +187,14 @@ def _phase_stats(spans: list[dict], skip_steps: int = 0) -> dict[str, PhaseStats
     later = any(sp["step"] >= skip_steps for sp in mine)
     for sp in mine:  # the seconds it ran: a step's new-shape compile is not read as a slow phase
       if sp["step"] >= skip_steps or not later:
-        per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + sp["end"] - sp["start"] - sp.get("compile_s", 0.0)
+        ran = max(0.0, sp["end"] - sp["start"] - sp.get("compile_s", 0.0))
+        per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + ran
     out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
                             busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
-                            median_step_s=statistics.median(per_step.values()),
-                            compile_s=sum(sp.get("compile_s", 0.0) for sp in mine))
+                            # a stream's empty tile (a batch finished inside another's, or by the same drain)
+                            median_step_s=statistics.median([v for v in per_step.values() if v > 0] or [0.0]),
+                            compile_s=sum(sp.get("compile_s", 0.0) for sp in mine)
+                            if any("compile_s" in sp for sp in mine) else None)
   return out
 
 

@@ -115,7 +115,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   os.makedirs(out_dir, exist_ok=True)
   step = step_lib.step_bytes(cfg, changed_frac=assumptions.changed_frac)
   sync_bytes = step.sync_per_step
-  skip = 1 if len(metrics) > 2 else 0
+  skip = 1 if len({s["step"] for s in spans if s["phase"] == "train"}) > 2 else 0  # step 0: first runs
   if spans:  # calibrated from the measured run
     tokens = float(np.median([m["perf/tokens"] for m in metrics])) if metrics else None
     fit = ran or cfg
@@ -127,9 +127,10 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     if ran is None or ran != cfg:  # a what-if: the config's devices too, at the run's per-device rates
       planned = sim_params(cfg, assumptions, sync_bytes)
       params = dataclasses.replace(params, n_devices=planned.n_devices, rollout_devices=planned.rollout_devices)
-      source += (f" (per-device decode rate; train time from its {params.train_devices} trainer devices, scaled "
-                 f"ideally; its batch of {params.batch_seqs} sequences), simulated on this config's "
-                 f"{params.n_devices} devices at eta = {params.eta}")
+      source += (f" (per-device decode rate, each sequence at most the run's rate, so more rollout devices do not "
+                 f"shorten a batch the run's devices decoded at full occupancy; train time from its "
+                 f"{params.train_devices} trainer devices, scaled ideally; its batch of {params.batch_seqs} "
+                 f"sequences), simulated on this config's {params.n_devices} devices at eta = {params.eta}")
   else:
     params = sim_params(cfg, assumptions, sync_bytes)
     source = "assumptions (no measured run given)"
@@ -156,7 +157,8 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     fig["run_staleness"] = beside.to_dict()
   predicted = None
   if spans:
-    sim = timelines[mode] if fitted == params else simulator.simulate(fit.topology.mode, fitted, n_steps=24)
+    same = fitted == params and fit.topology.mode == mode  # else a what-if: the run as it ran, simulated apart
+    sim = timelines[mode] if same else simulator.simulate(fit.topology.mode, fitted, n_steps=24)
     predicted = {ph: float(np.median([s.end - s.start for s in sim.of(ph)])) for ph in ("rollout", "train", "sync")
                  if sim.of(ph)}
     # The simulator's train phase holds the log-prob pre-pass (calibrate adds it in); the run logs it apart.

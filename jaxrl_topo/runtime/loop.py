@@ -136,7 +136,7 @@ def _no_chunk_hook(engine: RolloutEngine) -> None:
 class LoopHooks:
   """What the launcher plugs in: metrics sink, checkpointing, eval cadence."""
 
-  # Each step's metrics, with `_lags` (each token's staleness, a list; run.py logs it as a histogram)
+  # Each step's metrics, with `_lags` (each token's staleness, an array; run.py logs it as a histogram)
   on_step: Callable[[int, dict], None] = lambda step, metrics: None
   on_trained: Callable[[int, Trajectories], None] = lambda step, traj: None  # after step's weights landed
   # Right before on_trained: the step's metrics as they stand when its weights land (its evaluation and wall-clock
@@ -222,14 +222,17 @@ def train_loop(exp: Experiment, *, start_step: int = 0, hooks: LoopHooks | None 
     waited = not flight.watch.done.is_set()
     flight.watch.wait()  # device completion of the step (the watcher stamps it; this only waits)
     t_pre = flight.watch.pre_done_at or flight.queued_at  # the step's program starts (compilation excluded)
+    # The trainer's devices wait on the controller only until the step is queued: a later compile (a rollout's
+    # new bucket) is not theirs (compile_until, runtime/spans.py)
     if flight.pre is not None:
-      hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre))
+      hooks.on_span(span("logprobs", "trainer", trainer_devices, flight.step, version, flight.t0, t_pre,
+                         compile_until=flight.queued_at))
     train = to_host(flight.metrics)
     end = flight.watch.done_at
     # The span opens at the dispatch: a first step's compile is in it (its compile_s, runtime/spans.py), not lost
     # between spans (a colocated run's trainer read as idle while it compiled)
     hooks.on_span(span("train", "trainer", trainer_devices, flight.step, version, flight.watch.pre_done_at or flight.t0,
-                       end))
+                       end, compile_until=flight.queued_at))
     overlap = chunks.tokens_within(flight.queued_at, end)
     version += 1
     t_sync = time.perf_counter()

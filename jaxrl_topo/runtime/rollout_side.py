@@ -57,10 +57,12 @@ def _devices(mesh) -> list[int]:
   return sorted(int(d.id) for d in mesh.devices.flat)
 
 
-def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, start: float, end: float) -> dict:
-  """One timeline entry (every arrow of the step is a named span); times are time.perf_counter()."""
-  return {"phase": phase, "role": role, "devices": devices, "step": step, "gen_id": gen_id, "start": start,
-          "end": end}
+def span(phase: str, role: str, devices: list[int], step: int, gen_id: int, start: float, end: float,
+         compile_until: float | None = None) -> dict:
+  """One timeline entry (every arrow of the step is a named span); times are time.perf_counter(). `compile_until`:
+  the controller's compiles count against the span only until then (runtime/spans.py)."""
+  out = {"phase": phase, "role": role, "devices": devices, "step": step, "gen_id": gen_id, "start": start, "end": end}
+  return out if compile_until is None else {**out, "compile_until": compile_until}
 
 
 def _requests(exp: Experiment, examples: list[dict]) -> list[Request]:

@@ -4,7 +4,9 @@ train, sync, eval; runtime/rollout_side.span), seconds since the run started.
 Each span also carries `compile_s`: the seconds inside it that the process spent tracing, lowering and compiling
 XLA programs (`CompileLog`, from jax.monitoring's compile events). A program compiles in the thread that
 dispatches it, and the controller's one thread drives every phase, so a compile stalls every phase open at the
-time: a continuous rollout stream's span holds the train step's first compile, dispatched between decode chunks.
+time that waits on that thread: a continuous rollout stream's span holds the train step's first compile,
+dispatched between decode chunks. A train (or logprobs) span counts only the compiles before its step was queued
+(`compile_until`): after that its devices run on their own.
 The review's calibration (review/calibrate.py) takes it out, so a new shape's compile in a late step is not read
 as slow decoding.
 """
@@ -95,8 +97,10 @@ def span_writer(workdir: str, compiles: CompileLog, *, start: int = 0, keep: Cal
 
   def on_span(entry: dict) -> None:
     if write:
-      compile_s = round(compiles.seconds_within(entry["start"], entry["end"]), 6)
-      entry = {**entry, "start": entry["start"] - t_origin, "end": entry["end"] - t_origin, "compile_s": compile_s}
+      entry = dict(entry)
+      until = min(entry["end"], entry.pop("compile_until", entry["end"]))  # a train span: until the step is queued
+      compile_s = round(compiles.seconds_within(entry["start"], until), 6)
+      entry.update(start=entry["start"] - t_origin, end=entry["end"] - t_origin, compile_s=compile_s)
       with open(path, "a") as f:
         f.write(json.dumps(entry) + "\n")
 
