@@ -155,7 +155,7 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   beside = observed if apart and ran is not None else None  # the run's own bound, shown beside the config's
   if beside is not None:
     fig["run_staleness"] = beside.to_dict()
-  predicted = None
+  overlap = None  # the measured timeline against the prediction (a run's spans only)
   if spans:
     same = fitted == params and fit.topology.mode == mode  # else a what-if: the run as it ran, simulated apart
     sim = timelines[mode] if same else simulator.simulate(fit.topology.mode, fitted, n_steps=24)
@@ -165,14 +165,15 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
     logprobs = calibrate.phase_median(spans, "logprobs", skip)
     if logprobs is not None and "train" in predicted:
       predicted["train"] = max(0.0, predicted["train"] - logprobs)
-    fig["overlap"] = audit.overlap_audit(spans, predicted, skip_steps=skip).to_dict()
+    overlap = audit.overlap_audit(spans, predicted, skip_steps=skip)
+    fig["overlap"] = overlap.to_dict()
   plots.plot_timelines(timelines, os.path.join(out_dir, "timelines.png"))
   if sweep:
     plots.plot_split_sweep(sweep, os.path.join(out_dir, "split_sweep.png"))
   with open(os.path.join(out_dir, "record.json"), "w") as f:
     json.dump(fig, f, indent=2, default=str)
   with open(os.path.join(out_dir, "record.md"), "w") as f:
-    f.write(_markdown(cfg, fig, stale, spans, predicted, beside))
+    f.write(_markdown(cfg, fig, stale, overlap, beside))
   if ran is not None:
     audit.check_staleness(observed)  # fail loudly, after the record that shows the violation is written
   return fig
@@ -216,7 +217,7 @@ def _fit_lines(memory: dict, mode: str) -> list[str]:
   return [f"- **WARNING: {warning}**"] if warning else []
 
 
-def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, predicted,
+def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, overlap: audit.OverlapReport | None,
               observed: audit.StalenessReport | None = None) -> str:
   b, mode = fig["bytes"], fig["mode"]
   rates = fig["steps_per_hour"]
@@ -244,11 +245,10 @@ def _markdown(cfg: RunConfig, fig: dict, stale: audit.StalenessReport, spans, pr
     lines += [f"Measured under the run's own bound ({observed.mode}, eta = {observed.eta}), not this config's:", "",
               observed.to_markdown()]
   lines += ["", "## Overlaps required", f"- {fig['overlaps_required']}"]
-  if "overlap" in fig:
-    lines += ["", "## Measured timeline", audit.overlap_audit(spans, predicted, skip_steps=fig["overlap"]["skip_steps"]
-                                                              ).to_markdown()]
+  if overlap is not None:
+    lines += ["", "## Measured timeline", overlap.to_markdown()]
   source = fig["simulator_source"]
-  if not spans:
+  if overlap is None:
     source += "; " + ", ".join(f"{k}={v}" for k, v in fig["assumptions"].items() if v is not None)
   lines += ["", "## Throughput and rate matching", f"Simulator: {source}.", "",
             f"| mode | steps/hour | best rollout devices (of {fig['sim_params']['n_devices']}) |", "|---|---|---|"]
