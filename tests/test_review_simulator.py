@@ -199,20 +199,39 @@ def _stalled(spans: list[dict], at: float, secs: float) -> list[dict]:
 
 def test_calibrate_takes_a_late_compile_out_of_a_stream():
   """A continuous stream's rollout span holds what the controller's thread compiled in it (the train step's first
-  compile, a new shape later on). Before spans carried compile_s, a 2-minute stall in one of 36 batches of 0.7 s
-  fitted 38% of the true rate (the stream is fitted to the mean batch); now the rate comes back."""
+  compile, a new shape later on). Stalls of 2 s in 9 of 36 batches (median 2.5 s): their compile_s is taken
+  out and the rate comes back; unmarked (spans without compile_s), they read as slow decoding."""
   truth = _long_tail(sigma=0.5, reward_s=0.3, per_seq_tokens_per_s=400.0, train_s=1.0, eta=2)
   spans = C.tile_rollouts(S.simulate("async", truth, 48).to_span_dicts())
   kw = dict(batch_seqs=64, median_len=500.0, sigma=0.5, per_seq_tokens_per_s=400.0, sync_bytes=1e9, link_gbps=8.0,
             eta=2, skip_steps=12, stream=True)
-  r20 = next(s for s in spans if s["phase"] == "rollout" and s["step"] == 20)
-  stalled = _stalled(spans, (r20["start"] + r20["end"]) / 2, 120.0)
-  assert sum(s.get("compile_s", 0) > 0 for s in stalled) >= 1
+  stalled = spans
+  for k in range(14, 48, 4):  # each stall delays what follows: find the batch afresh
+    r = next(s for s in stalled if s["phase"] == "rollout" and s["step"] == k)
+    stalled = _stalled(stalled, (r["start"] + r["end"]) / 2, 2.0)
+  assert sum(s.get("compile_s", 0) > 0 for s in stalled if s["phase"] == "rollout") == 9
   p = C.calibrate(stalled, **kw)
   assert p.tokens_per_s_per_device == pytest.approx(truth.tokens_per_s_per_device, rel=1e-6)
   assert p.train_s == pytest.approx(C.calibrate(spans, **kw).train_s)
   unmarked = C.calibrate([{k: v for k, v in s.items() if k != "compile_s"} for s in stalled], **kw)
-  assert unmarked.tokens_per_s_per_device < 0.5 * truth.tokens_per_s_per_device
+  assert unmarked.tokens_per_s_per_device < 0.9 * truth.tokens_per_s_per_device
+
+
+def test_one_slowed_batch_does_not_set_a_streams_rate():
+  """A batch slowed by something the spans do not mark (host work, another process on the cores): a 2-minute stall
+  in one of 36 batches (median 2.5 s). The stream's mean counts it at three times the median batch
+  (`stream_mean`), so the fit keeps 91% of the true rate; with the plain mean (a CI run once tripped on such a
+  batch), it fitted 38%."""
+  truth = _long_tail(sigma=0.5, reward_s=0.3, per_seq_tokens_per_s=400.0, train_s=1.0, eta=2)
+  spans = C.tile_rollouts(S.simulate("async", truth, 48).to_span_dicts())
+  r20 = next(s for s in spans if s["phase"] == "rollout" and s["step"] == 20)
+  unmarked = [{k: v for k, v in s.items() if k != "compile_s"}
+              for s in _stalled(spans, (r20["start"] + r20["end"]) / 2, 120.0)]
+  p = C.calibrate(unmarked, batch_seqs=64, median_len=500.0, sigma=0.5, per_seq_tokens_per_s=400.0,
+                  sync_bytes=1e9, link_gbps=8.0, eta=2, skip_steps=12, stream=True)
+  assert p.tokens_per_s_per_device > 0.85 * truth.tokens_per_s_per_device
+  assert C.stream_mean([1.0, 1.0, 0.0, 50.0]) == pytest.approx((1 + 1 + 0 + 3) / 4)
+  assert C.stream_mean([0.0, 0.0]) == 0.0
 
 
 def test_calibrate_colocated_run_and_bad_spans():

@@ -96,20 +96,32 @@ def tile_rollouts(spans: Sequence[Mapping]) -> list[dict]:
   return [dict(s) for s in spans if s["phase"] != "rollout"] + tiled
 
 
+def stream_mean(tiles: Sequence[float], cap: float = 3.0) -> float:
+  """The mean of a stream's per-step tiles, each counted at most `cap` times the median non-empty tile: the
+  stream's busy time per batch, except that one batch slowed by something besides decoding (host work, a compile
+  outside the listener's events, another process on the same cores) does not set the rate. The same statistic
+  is taken of the simulated stream, so a long tail the simulator models is clipped alike on both sides."""
+  busy = [t for t in tiles if t > 0]
+  if not busy:
+    return 0.0
+  limit = cap * float(np.median(busy))
+  return float(np.mean(np.minimum(np.asarray(tiles, dtype=float), limit)))
+
+
 def _fit_stream(rollout_s: float, probe: SimParams, devices: int, per_seq: float | None,
                 n_steps: int = 48) -> tuple[float, float]:
   """(tokens/s/device, per-seq tokens/s) at which the simulated stream (async at probe.eta on `devices` rollout
   devices: no drain, batch k admitted once weights k - eta exist) tiles its busy time into batches whose
-  mean, after the first quarter of n_steps, is the measured mean rollout_s. The mean, not the median: the
-  stream's busy time falls as the rate rises, but a single tile need not (a faster stream waits for the
-  trainer more often, and a batch that joins late carries its tail alone)."""
+  mean, after the first quarter of n_steps, is the measured mean rollout_s (both `stream_mean`). The mean, not
+  the median: the stream's busy time falls as the rate rises, but a single tile need not (a faster stream waits
+  for the trainer more often, and a batch that joins late carries its tail alone)."""
   B = probe.batch_seqs
 
   def t_of(X: float) -> float:
     p = dataclasses.replace(probe, rollout_devices=devices, tokens_per_s_per_device=X / devices,
                             per_seq_tokens_per_s=per_seq or X / B)
     tiled = tile_rollouts(simulator.simulate("async", p, n_steps).to_span_dicts())
-    return float(np.mean(_per_step(tiled, "rollout", n_steps // 4)))
+    return stream_mean(_per_step(tiled, "rollout", n_steps // 4))
 
   X0 = float(np.sum(simulator.sample_lengths(probe, 1))) / rollout_s  # about the busy rate
   lo, hi = X0 * 1e-3, X0 * 1e3
@@ -138,7 +150,8 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   `stream=True`: the spans come from a continuous rollout stream (`RunConfig.continuous_rollout`: the loop's
   disaggregated and async modes). Their rollout spans tile the stream's busy time (`tile_rollouts`), with
   each batch's tail overlapping the next batch, so a span is not a batch decoded alone. The rate is then
-  fitted so that the simulator's stream (its async mode at `eta`) tiles the same way to the measured mean.
+  fitted so that the simulator's stream (its async mode at `eta`) tiles the same way to the measured mean
+  (`stream_mean`: an outlying batch counts at three times the median).
   """
   _validate_spans(spans)
   med = {ph: phase_median(spans, ph, skip_steps) for ph in ("rollout", "reward", "logprobs", "train", "sync")}
@@ -169,7 +182,7 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
     if r_dev & t_dev:
       raise ValueError("stream=True: a continuous rollout stream runs on its own devices, but these spans' "
                        "rollout and train devices overlap (a colocated run)")
-    rollout_s = float(np.mean(_per_step(spans, "rollout", skip_steps)))
+    rollout_s = stream_mean(_per_step(spans, "rollout", skip_steps))
     tps, per_seq = _fit_stream(rollout_s, probe, len(r_dev), per_seq_tokens_per_s)
   else:
     tps, per_seq = _fit_throughput(rollout_s, simulator.sample_lengths(probe, 64), len(r_dev), per_seq_tokens_per_s)
