@@ -128,7 +128,7 @@ def _run_group(group, workdir: str, specs) -> None:
     return group.jobs[jid].spec.workdir
 
   with CompileLog() as compiles:  # each job's compiles, taken out of its spans by the review
-    results = group.run(hooks_for)
+    results = group.run(hooks_for, compiles)
   for w in writers.values():
     w.close(plot=False)
   path = os.path.join(workdir, MUX_SUMMARY)

@@ -24,6 +24,7 @@ from jaxrl_topo.mux.spec import JobSpec, MuxConfig, compile_counts, on_policy
 from jaxrl_topo.runtime import experiment, loop
 from jaxrl_topo.runtime.config import config_from_file, from_config_dict
 from jaxrl_topo.runtime.metrics import comparable
+from jaxrl_topo.runtime.spans import CompileLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -102,7 +103,8 @@ def _group(tmp_path, jids, migrate_at=0.5, hooks_for=None) -> tuple[Group, dict]
       job.plan_runs = calls = []
       run = job.exp.sync.inner.plan.run
       job.exp.sync.inner.plan.run = lambda *a, _run=run, _calls=calls, **k: (_calls.append(1), _run(*a, **k))[1]
-  return group, group.run(hooks_for)
+  with CompileLog() as compiles:
+    return group, group.run(hooks_for, compiles)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,16 @@ def test_three_jobs_multiplexed_equal_their_solo_runs_bit_for_bit(trio, solo):
   # shards' into the tail's one in some phase, and its metrics still equal its solo run's (above).
   assert all(s["moved_from_shards"] == 1 for s in moved if s["job"] == "a")
   assert any(s["moved_from_shards"] == 2 for s in moved if s["job"] == "b"), moved
+  # Each job's spans carry what its thread compiled (run(compiles=...)): its first train phase is mostly its train
+  # step's compile; the review's mean phase leaves it out (before: group.md counted it as a slow phase).
+  from jaxrl_topo.review import group as group_review
+  per_job = group_review.per_job(group.spans)
+  for jid in "abc":
+    first = min((s for s in group.spans if s["job"] == jid and s["pool"] == "train"), key=lambda s: s["step"])
+    assert first["compile_s"] > 0.5 * (first["end"] - first["start"]), first
+    row = per_job[jid]["train"]
+    assert row["compile_s"] >= first["compile_s"]
+    assert row["mean_s"] == pytest.approx((row["busy_s"] - row["compile_s"]) / row["phases"])
 
 
 def test_round_robin_alternates_and_fills_one_pool_while_the_other_works(trio):

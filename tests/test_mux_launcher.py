@@ -382,6 +382,8 @@ def test_launcher_runs_a_group_and_isolates_a_failing_job(tmp_path):
   assert export.returncode == 0 and (tmp_path / "hf" / "exported_from.json").is_file(), export.stderr[-3000:]
   spans = read_spans(str(tmp_path / "mux_spans.jsonl"))
   assert {s["job"] for s in spans} == {"0-grpo_task", "1-dapo"}
+  first = min((s for s in spans if s["job"] == "0-grpo_task" and s["pool"] == "train"), key=lambda s: s["step"])
+  assert first["compile_s"] > 0  # the launcher's CompileLog reaches the group's spans
   assert (tmp_path / "mux_timeline.png").stat().st_size > 0
   # The same command again: the finished job keeps its figures (before: mux_summary.json said 0 steps, this
   # session's wall time); the failed one runs again (and fails again). Its last line dropped, as a kill after the

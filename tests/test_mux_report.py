@@ -46,8 +46,13 @@ def test_review_of_a_group_workdir_shows_each_jobs_phases(tmp_path):
   with open(tmp_path / "mux_spans.jsonl", "w") as f:
     f.writelines(json.dumps({**s, "phase": s["pool"], "devices": [0]}) + "\n" for s in SPANS)
   fig = group.summary(group.read_group_spans(str(tmp_path)))
-  assert fig["jobs"]["a"]["train"] == {"phases": 2, "busy_s": 4.0, "mean_s": 2.0, "migrated": 0, "moved": 0,
-                                             "on_free_shards": 0}
+  assert fig["jobs"]["a"]["train"] == {"phases": 2, "busy_s": 4.0, "compile_s": None, "mean_s": 2.0, "migrated": 0,
+                                       "moved": 0, "on_free_shards": 0}
+  compiled = [{**s, "compile_s": 1.5 if s["pool"] == "train" and s["step"] == 0 else 0.0} for s in SPANS]
+  row = group.summary(compiled)["jobs"]["a"]["train"]
+  assert (row["busy_s"], row["compile_s"], row["mean_s"]) == (4.0, 1.5, 1.25)  # (4 - 1.5) / 2
+  assert [s["compile_s"] for s in group.job_spans(compiled, "a")] == [0.0, 1.5, 0.0]
+  assert "| a | train | 2 | 4.000 | 1.500 | 1.250 | 0 | 0 | 0 |" in group.to_markdown(group.summary(compiled))
   assert fig["jobs"]["b"]["rollout"]["migrated"] == 1 and fig["jobs"]["b"]["rollout"]["busy_s"] == 2.5
   assert fig["jobs"]["b"]["rollout"]["on_free_shards"] == 1
   assert [(s["role"], s["step"], s["start"]) for s in group.job_spans(SPANS, "a")] == \
@@ -57,7 +62,7 @@ def test_review_of_a_group_workdir_shows_each_jobs_phases(tmp_path):
                         f"--out={tmp_path / 'rev'}"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "| a | train | 2 | 4.000 | 2.000 | 0 | 0 | 0 |" in out.stdout
+  assert "| a | train | 2 | 4.000 | n/a | 2.000 | 0 | 0 | 0 |" in out.stdout
   assert (tmp_path / "rev" / "group_timeline.png").stat().st_size > 0
   with pytest.raises(FileNotFoundError, match="not a co-execution group"):
     group.read_group_spans(str(tmp_path / "rev"))

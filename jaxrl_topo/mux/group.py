@@ -83,6 +83,7 @@ class Group:
     self.train_pool = RoundRobin("train", ids)
     self.spans: list[dict] = []
     self._spans_file = None  # MUX_SPANS, open for appending while the group runs
+    self._compiles = None  # run(compiles=...): each span's compile seconds (runtime/spans.CompileLog)
     self._lock = threading.Lock()
     self._t0 = time.perf_counter()
     self.pools: dict[str, list[int]] = {}
@@ -183,6 +184,8 @@ class Group:
             **extra) -> None:
     entry = {"job": jid, "pool": pool, "phase": phase or pool, "step": step, "start": start - self._t0,
              "end": end - self._t0, "devices": self.pools.get(pool, []), **extra}
+    if self._compiles is not None:  # the job's thread, which writes its spans, compiles its programs
+      entry["compile_s"] = round(self._compiles.seconds_within(start, end), 6)
     with self._lock:
       self.spans.append(entry)
       if self._spans_file is not None:  # on disk as it happens: a killed group keeps its timeline up to the kill
@@ -304,13 +307,16 @@ class Group:
     if failure is not None:  # reported once the job's pools and tail are free (_fail may wait for an interrupt)
       self._fail(jid, failure)
 
-  def run(self, hooks_for=None) -> dict[str, dict]:
+  def run(self, hooks_for=None, compiles=None) -> dict[str, dict]:
     """Runs every admitted job to its `run.steps`; returns {job id: {"ok", "steps", "error", ...}}.
     `hooks_for(job_id, exp) -> LoopHooks`: a job's own sinks (metrics writer, spans file); the group's
-    turn and warm-state hooks wrap them. A KeyboardInterrupt is re-raised once any checkpoint being written has
-    committed (resume.finish_saves); the jobs' save locks stay held, so the group is not run again after it."""
+    turn and warm-state hooks wrap them. `compiles`: an open runtime/spans.CompileLog; each span then carries
+    the seconds its job's thread compiled in it (`compile_s`), as a solo run's spans do. A KeyboardInterrupt is
+    re-raised once any checkpoint being written has committed (resume.finish_saves); the jobs' save locks stay
+    held, so the group is not run again after it."""
     if not self.built:  # (not again when every job failed its build: each failure is reported once)
       self.build()
+    self._compiles = compiles
     # A resumed group keeps the spans of the steps it does not redo; this session's follow on from their end.
     self.spans[:0] = resume.earlier_spans(self.workdir, MUX_SPANS, {jid: job.start for jid, job in self.jobs.items()},
                                           {jid for jid, job in self.jobs.items() if job.lost is not None})

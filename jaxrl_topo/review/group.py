@@ -31,25 +31,30 @@ def read_group_spans(workdir: str) -> list[dict]:
 def job_spans(spans: Sequence[Mapping], job: str) -> list[dict]:
   """One job's phases in a solo run's span format (runtime/spans.py `read_spans`)."""
   return [{"phase": s.get("phase", s["pool"]), "role": s["pool"], "devices": list(s.get("devices", [])),
-           "step": s["step"], "gen_id": s["step"], "start": s["start"], "end": s["end"]}
+           "step": s["step"], "gen_id": s["step"], "start": s["start"], "end": s["end"],
+           **({"compile_s": s["compile_s"]} if "compile_s" in s else {})}
           for s in spans if s["job"] == job]
 
 
 def per_job(spans: Sequence[Mapping]) -> dict[str, dict[str, dict]]:
-  """{job: {pool: {phases, busy_s, mean_s, migrated, moved, on_free_shards}}}, jobs in order of their first phase
-  (on_free_shards: rollouts run beside another job's tail, on the shards it left free: mux.resize)."""
+  """{job: {pool: {phases, busy_s, compile_s, mean_s, migrated, moved, on_free_shards}}}, jobs in order of their
+  first phase. busy_s: the pool held (a compile holds it too); compile_s: of it, the job's thread compiling (None:
+  the spans predate the field); mean_s: a phase's mean seconds less its compiles. on_free_shards: rollouts run
+  beside another job's tail, on the shards it left free (mux.resize)."""
   out: dict[str, dict[str, dict]] = {}
   for s in sorted(spans, key=lambda s: s["start"]):
-    row = out.setdefault(s["job"], {}).setdefault(s["pool"], {"phases": 0, "busy_s": 0.0, "migrated": 0, "moved": 0,
-                                                                 "on_free_shards": 0})
+    row = out.setdefault(s["job"], {}).setdefault(s["pool"], {"phases": 0, "busy_s": 0.0, "compile_s": None,
+                                                                 "migrated": 0, "moved": 0, "on_free_shards": 0})
     row["phases"] += 1
     row["busy_s"] += s["end"] - s["start"]
+    if "compile_s" in s:
+      row["compile_s"] = (row["compile_s"] or 0.0) + s["compile_s"]
     row["migrated"] += s.get("migrated_at") is not None
     row["moved"] += s.get("moved_at") is not None
     row["on_free_shards"] += bool(s.get("on_rest"))
   for pools in out.values():
     for row in pools.values():
-      row["mean_s"] = row["busy_s"] / row["phases"]
+      row["mean_s"] = max(0.0, row["busy_s"] - (row["compile_s"] or 0.0)) / row["phases"]
   return out
 
 
@@ -61,12 +66,14 @@ def summary(spans: Sequence[Mapping]) -> dict:
 
 def to_markdown(fig: Mapping) -> str:
   lines = ["# Co-execution group", "",
-           "| job | pool | phases | busy s | mean phase s | migrated | moved | on free shards |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| job | pool | phases | busy s | of it compiling | mean phase s (less compiles) | migrated | moved | "
+           "on free shards |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for job, pools in fig["jobs"].items():
     for pool, r in pools.items():
-      lines.append(f"| {job} | {pool} | {r['phases']} | {r['busy_s']:.3f} | {r['mean_s']:.3f} | {r['migrated']} | "
-                   f"{r['moved']} | {r['on_free_shards']} |")
+      compiling = "n/a" if r["compile_s"] is None else f"{r['compile_s']:.3f}"
+      lines.append(f"| {job} | {pool} | {r['phases']} | {r['busy_s']:.3f} | {compiling} | {r['mean_s']:.3f} | "
+                   f"{r['migrated']} | {r['moved']} | {r['on_free_shards']} |")
   lines += ["", "Busy fraction: " + ", ".join(f"{p} pool {v:.2f}" for p, v in fig["busy_fraction"].items()), ""]
   return "\n".join(lines)
 
