@@ -45,9 +45,14 @@ def checked_group(workdir: str):
   from jaxrl_topo.mux.group import Group
   from jaxrl_topo.mux.spec import JobSpec, MuxConfig
 
+  parsed = [parse_job(spec, COMMON, i) for i, spec in enumerate(_JOB.value)]
+  if others := other_job_folders(workdir, [jid for jid, _ in parsed]):  # before: a note, then the group's spans
+    raise cli.UserError(  # and summary were rewritten without those jobs
+        f"--workdir {workdir} holds jobs this group does not run: {', '.join(others)}. A job's folder is its position "
+        "and config name (<i>-<config>): give every earlier job, in its earlier order, to go on (a finished one has "
+        "nothing to do), or give this group a new --workdir; nothing was changed")
   specs = []
-  for i, spec in enumerate(_JOB.value):
-    jid, config = parse_job(spec, COMMON, i)
+  for jid, config in parsed:
     jobdir = os.path.join(workdir, jid)
     specs.append(JobSpec(jid, check_job(jid, config, jobdir), jobdir))
     if note := mode_notice(jid, specs[-1].cfg):
@@ -75,6 +80,9 @@ def main(argv: Sequence[str]) -> None:
   from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, held, model_files
 
   workdir = _WORKDIR.value
+  if (up := _first_existing(workdir)) is not None and not os.path.isdir(up):  # before: "File exists" at the lock,
+    where = "" if up == os.path.abspath(workdir) else f": {up}"  # checks done
+    raise cli.UserError(f"--workdir {workdir}{where} is a file: name a directory (made if missing)")
   if model := model_files(workdir):
     raise cli.UserError(f"--workdir {workdir} holds {', '.join(model)}: a model directory, not a group's; nothing was "
                         "changed. Give the group its own directory (each job gets a folder inside it)")
@@ -103,10 +111,6 @@ def _run_group(group, workdir: str, specs) -> None:
   from jaxrl_topo.runtime.spans import CompileLog
   from jaxrl_topo.runtime.workdir import MUX_SUMMARY, MUX_TIMELINE, write_identity
 
-  if others := other_job_folders(workdir, [s.job_id for s in specs]):
-    print(f"note: {workdir} also holds job folders this group does not run: {', '.join(others)} (a job's folder "
-          "is its position and config name: <i>-<config>; give the jobs in their earlier order to resume them)",
-          file=sys.stderr)
   for note in changed_configs(specs):  # as train.py says it: a relaunch may change a job's config, but not unsaid
     print(note, file=sys.stderr)
   for s in specs:  # the job as the group runs it (disaggregated, eta 0: spec.on_policy), so review reads what ran
@@ -190,6 +194,17 @@ def kept_results(results: dict, earlier: dict, steps: dict) -> set[str]:
   return finished
 
 
+def _first_existing(path: str) -> str | None:
+  """`path` or its nearest ancestor that exists (None: none does)."""
+  path = os.path.abspath(path)
+  while not os.path.lexists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      return None
+    path = parent
+  return path
+
+
 def other_job_folders(workdir: str, job_ids: Sequence[str]) -> list[str]:
   """The <i>-<name> folders in `workdir` that hold a job's run (its config.json) and are not among `job_ids`."""
   if not os.path.isdir(workdir):
@@ -204,6 +219,7 @@ RESUME = "run the same command again to resume every job from its newest checkpo
 if __name__ == "__main__":
   try:
     sys.argv, COMMON[:] = split_overrides(sys.argv)
-  except cli.UserError as e:
-    sys.exit(f"error: {e}")
+  except cli.UserError as e:  # exit 2, as every other usage error
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(cli.USER_ERROR_EXIT)
   cli.launch(main, interrupted=RESUME)

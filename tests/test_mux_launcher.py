@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -36,7 +37,8 @@ def test_a_job_takes_the_common_overrides_then_its_own():
 
 
 def test_job_folders_the_group_does_not_run_are_named(tmp_path):
-  """Jobs given in another order get other folders (<i>-<config>): the launcher notes the ones left unused."""
+  """Jobs given in another order get other folders (<i>-<config>): the launcher refuses to leave any unused
+  (test_a_runs_workdir_is_refused_as_a_groups runs it)."""
   from launchers.mux import other_job_folders
 
   for d in ("0-grpo_task", "1-dapo", "2-notes"):
@@ -168,6 +170,10 @@ def test_a_jobs_bad_value_missing_file_or_override_field_is_one_clear_line():
     parse_job(f"{CONFIGS}/grpo_task.py", ["model.overrides.n_layers=3"], 0)
   with pytest.raises(UserError, match=r"e.g. model.overrides=\{'n_layers': ...\} in the --job \(one field"):
     parse_job(f"{CONFIGS}/grpo_task.py,model.overrides.n_layers=3", [], 0)
+  # A value with a comma, split at it (before: "'[q_proj' is not a valid tuple").
+  with pytest.raises(UserError, match=r"^job 0-grpo_task: override 'lora.targets=\[q_proj': a job's own overrides are "
+                     r"split at commas, so a value cannot hold one; give it to every job as --config.lora.targets="):
+    parse_job(f"{CONFIGS}/grpo_task.py:tiny,lora.targets=[q_proj,v_proj]", [], 0)
 
 
 def test_each_job_is_checked_before_anything_is_written(tmp_path):
@@ -180,6 +186,9 @@ def test_each_job_is_checked_before_anything_is_written(tmp_path):
   with pytest.raises(UserError, match="^job 1-dapo: .*only 216 distinct prompts"):
     check_job("1-dapo", few, str(tmp_path / "1-dapo"))
   assert check_job("0-grpo_task", good, str(tmp_path / "0-grpo_task")).data.task.length == 4
+  _, fresh = parse_job(f"{CONFIGS}/grpo_task.py:tiny", ["run.fresh=True"], 0)  # before: accepted, and ignored
+  with pytest.raises(UserError, match="^job 0-grpo_task: run.fresh=True: a group does not start its jobs over"):
+    check_job("0-grpo_task", fresh, str(tmp_path / "0-grpo_task"))
   assert not list(tmp_path.iterdir())
   other = tmp_path / "0-grpo_task"  # a relaunch on a workdir that ran a 3-layer model
   (other / "checkpoints" / "2").mkdir(parents=True)
@@ -244,6 +253,27 @@ def test_a_runs_workdir_is_refused_as_a_groups(tmp_path):
   out = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--plan={tmp_path / 'no.jsonl'}"],
                        env=cpu_env(1, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and f"error: --plan={tmp_path / 'no.jsonl'}: no such file" in out.stderr, out.stderr
+  # A group that leaves out (or reorders) the jobs its folder holds. Before: a note, then mux_spans.jsonl and
+  # mux_summary.json were rewritten without the other jobs.
+  (group / "config.json").unlink()
+  (group / "1-dapo").mkdir()
+  (group / "1-dapo" / "config.json").write_text("{}")
+  out = _launch(tmp_path, f"--job={CONFIGS}/grpo_task.py:tiny")
+  assert out.returncode == 2 and f"error: --workdir {group} holds jobs this group does not run: 1-dapo. " in (
+      out.stderr), out.stderr[-3000:]
+  assert sorted(p.name for p in group.rglob("*")) == ["1-dapo", "config.json"]
+  # A file where the group's folder would be (before: "File exists", from the lock, after every job's checks);
+  # a --config.key without a value exits 2 as the other usage errors do (before: 1).
+  shutil.rmtree(group)
+  group.write_text("")
+  for workdir, says in ((group, f"--workdir {group} is a file"), (group / "sub", f"--workdir {group / 'sub'}: {group} "
+                                                                                  "is a file")):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py",
+                          f"--workdir={workdir}"], env=cpu_env(1, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and f"error: {says}: name a directory (made if missing)" in out.stderr, out.stderr
+  out = _launch(tmp_path, "--config.topology.mode", f"--job={CONFIGS}/grpo_task.py:tiny")
+  assert (out.returncode, out.stderr) == (2, "error: --config.topology.mode: write --config.key=value\n")
 
 
 @pytest.mark.parametrize("holder", ["group", "group/0-grpo_task"])

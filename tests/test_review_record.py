@@ -28,6 +28,9 @@ def test_record_from_the_config_alone(tmp_path):
   assert params.n_devices == 8 and params.rollout_devices == 4 and params.batch_seqs == 16 and params.eta == 1
   sequential = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, max_staleness=0))
   assert sim_params(sequential, a, want.sync_full).eta == 0  # was simulated one step off
+  # Its page says it runs on-policy (before: "one step off-policy", a mux job's record beside its eta = 0).
+  seq = write_record(sequential, str(tmp_path / "seq"), assumptions=a)
+  assert seq["why"].startswith("disjoint pools, strictly on-policy") and seq["overlaps_required"].startswith("none")
   assert fig["steps_per_hour"]["disaggregated"] == pytest.approx(
       simulator.simulate("disaggregated", params, n_steps=24).steps_per_hour(warmup=6))
   page = (tmp_path / "record.md").read_text()

@@ -34,7 +34,12 @@ def parse_job(spec: str, common: Sequence[str], index: int):
     raise UserError(f"job {job_id} (--job={spec}): {message(e)}") from None
   for item in common:
     apply_override(config, item, f"--config.{item}")
-  for item in own:
+  for i, item in enumerate(own):
+    key = item.partition("=")[0]
+    if i + 1 < len(own) and (any(item.count(a) != item.count(b) for a, b in ("[]", "()", "{}"))
+                             or item.count("'") % 2 or item.count('"') % 2):  # a value cut at a comma
+      raise UserError(f"job {job_id}: override {item!r}: a job's own overrides are split at commas, so a value cannot "
+                      f"hold one; give it to every job as --config.{key}=... instead, or in the job's config file")
     apply_override(config, item, f"job {job_id}: override {item!r}")
   unescape_stops(config)  # rollout.stop='\n' is a newline, as train.py reads it
   return job_id, config
@@ -55,6 +60,9 @@ def check_job(job_id: str, config, workdir: str):
       config = config.copy_and_resolve_references()  # of its own was refused as "colocated mode time-shares ..."
       config.topology.mode = "disaggregated"
     cfg = from_config_dict(config)
+    if cfg.run.fresh:  # train.py's --fresh; a group never deletes a job's checkpoints
+      raise ValueError("run.fresh=True: a group does not start its jobs over; give the group a new --workdir (or "
+                       "move this job's folder out of it)")
     check_data(cfg)
     check_model(cfg)
     check_positions(cfg)

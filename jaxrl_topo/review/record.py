@@ -64,13 +64,24 @@ _WHY = {
                      "step is max(R, T + sync) once the split matches the two rates.",
     "async": "disjoint pools running continuously, rollouts at most eta versions stale; weights land between "
              "decode chunks, so long-tailed generations do not stall the trainer.",
+    "on-policy": "disjoint pools, strictly on-policy (run.max_staleness=0): each rollout waits for the weights of "
+                 "the step before, so the two pools take turns and the step is R + T + sync (a multiplexed group, "
+                 "launchers/mux.py, fills each idle pool with another job's phase).",
 }
 _OVERLAPS = {
     "colocated": "none: phases serialise on shared devices (the KV pool is freed while training).",
     "disaggregated": "rollout of batch k+1 must overlap train step k on the other devices, and the weight sync "
                      "must fit in the rollout's slack.",
     "async": "rollout must run continuously while train steps complete; weight sync overlaps decoding.",
+    "on-policy": "none within the run: a rollout waits for the last step's weights (in a multiplexed group, other "
+                 "jobs' phases overlap it).",
 }
+
+
+def _placement(cfg: RunConfig) -> str:
+  """The key of _WHY and _OVERLAPS: the mode, or "on-policy" for disjoint pools at run.max_staleness=0."""
+  mode = cfg.topology.mode
+  return "on-policy" if mode == "disaggregated" and cfg.run.max_staleness == 0 else mode
 
 
 def _axes_devices(axes) -> int:
@@ -147,7 +158,8 @@ def write_record(cfg: RunConfig, out_dir: str, *, workdir: str | None = None,
   observed = audit.staleness_audit(ran or cfg, histograms or None, metrics=metrics or None)
   stale = audit.staleness_audit(cfg) if apart else audit.staleness_audit(cfg, histograms or None,
                                                                            metrics=metrics or None)
-  fig = {"mode": mode, "why": _WHY[mode], "overlaps_required": _OVERLAPS[mode], "bytes": step.to_dict(),
+  fig = {"mode": mode, "why": _WHY[_placement(cfg)], "overlaps_required": _OVERLAPS[_placement(cfg)],
+         "bytes": step.to_dict(),
          "staleness": stale.to_dict(), "simulator_source": source, "sim_params": dataclasses.asdict(params),
          "steps_per_hour": rates, "split_sweep": {str(k): v for k, v in sweep.items()},
          "best_rollout_devices": best, "assumptions": dataclasses.asdict(assumptions),
