@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_topo.review import calibrate as C
-from jaxrl_topo.review import plots
+from jaxrl_topo.review import overlap, plots
 from jaxrl_topo.review import simulator as S
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -232,6 +232,33 @@ def test_one_slowed_batch_does_not_set_a_streams_rate():
   assert p.tokens_per_s_per_device > 0.85 * truth.tokens_per_s_per_device
   assert C.stream_mean([1.0, 1.0, 0.0, 50.0]) == pytest.approx((1 + 1 + 0 + 3) / 4)
   assert C.stream_mean([0.0, 0.0]) == 0.0
+
+
+def test_a_dapo_step_of_three_rounds_is_read_as_its_rounds():
+  """DAPO's dynamic sampling decodes and scores up to three rounds a step: rollout 1 s, reward 0.5 s, three times,
+  then train 2 s (the first rollout compiling 0.25 s more). Each phase's seconds are the sum of its spans, as the
+  overlap audit reads them. Before: the step's extent, so reward read 3.5 s (it spans two rollouts) and rollout
+  4.0 s (4.25 less the compile)."""
+  spans = []
+  for k in range(4):
+    t = 10.0 * k
+    for r in range(3):
+      extra = 0.25 if r == 0 else 0.0
+      spans.append(dict(phase="rollout", role="rollout", devices=[0], step=k, gen_id=k, start=t, end=t + 1 + extra,
+                        compile_s=extra))
+      t += 1 + extra
+      spans.append(dict(phase="reward", role="rollout", devices=[0], step=k, gen_id=k, start=t, end=t + 0.5))
+      t += 0.5
+    spans.append(dict(phase="train", role="trainer", devices=[1], step=k, gen_id=k, start=t, end=t + 2))
+  assert C.phase_median(spans, "rollout") == pytest.approx(3.0)
+  assert C.phase_median(spans, "reward") == pytest.approx(1.5)
+  phases = overlap.overlap_audit(spans).phases  # the audit reads the same seconds
+  assert (phases["rollout"].median_step_s, phases["reward"].median_step_s) == (pytest.approx(3.0), pytest.approx(1.5))
+  # Two processes' spans of the same round overlap: counted once, less the most either compiled.
+  twin = [dict(spans[0], start=0.01, end=1.2, compile_s=0.1), spans[0]]
+  assert overlap.step_seconds(twin) == pytest.approx(1.25 - 0.25)
+  p = C.calibrate(spans, batch_seqs=8, median_len=100.0)
+  assert (p.reward_s, p.train_s) == (pytest.approx(1.5), pytest.approx(2.0))
 
 
 def test_calibrate_colocated_run_and_bad_spans():

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_topo.review import simulator
+from jaxrl_topo.review import overlap, simulator
 from jaxrl_topo.review.simulator import SimParams
 from jaxrl_topo.runtime.metrics import read_jsonl
 
@@ -23,15 +23,14 @@ def load_spans(path: str) -> list[dict]:
 
 
 def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[float]:
-  """Per-step wall extent (max end - min start) of a phase, over all processes' spans of that step, less the XLA
-  compiles inside it (a span's `compile_s`, runtime/spans.py; the most of any one span of the step): a step that
-  compiled a new shape is read at the speed it ran."""
-  ext: dict[int, tuple[float, float, float]] = {}
+  """Per step from skip_steps, the seconds a phase ran (`overlap.step_seconds`, as the overlap audit reads them):
+  a step that compiled a new shape is read at the speed it ran. Before, the step's extent (last end - first
+  start) counted the scoring between DAPO's rounds as decoding, and the rounds' decoding as scoring."""
+  by_step: dict[int, list[Mapping]] = {}
   for s in spans:
     if s["phase"] == phase and s["step"] >= skip_steps:
-      lo, hi, c = ext.get(s["step"], (math.inf, -math.inf, 0.0))
-      ext[s["step"]] = (min(lo, s["start"]), max(hi, s["end"]), max(c, float(s.get("compile_s", 0.0))))
-  return [max(0.0, hi - lo - c) for _, (lo, hi, c) in sorted(ext.items())]
+      by_step.setdefault(s["step"], []).append(s)
+  return [overlap.step_seconds(by_step[k]) for k in sorted(by_step)]
 
 
 def _validate_spans(spans: Sequence[Mapping]) -> None:
@@ -44,7 +43,7 @@ def _validate_spans(spans: Sequence[Mapping]) -> None:
 
 
 def phase_median(spans: Sequence[Mapping], phase: str, skip_steps: int = 0) -> float | None:
-  """Median over steps >= skip_steps of a phase's per-step wall extent; None if it has no such span."""
+  """Median over steps >= skip_steps of a phase's per-step seconds (`_per_step`); None if it has no such span."""
   xs = _per_step(spans, phase, skip_steps)
   return float(np.median(xs)) if xs else None
 

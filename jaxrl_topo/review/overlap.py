@@ -179,16 +179,32 @@ class OverlapReport:
     return "\n".join(lines) + "\n"
 
 
+def step_seconds(spans: Iterable[Mapping]) -> float:
+  """The seconds one phase ran in one step, from that step's spans of it: spans that overlap (processes' spans of
+  the same work) count once, less the most any of them compiled (`compile_s`, runtime/spans.py: a new shape's
+  compile is not read as a slow phase); spans one after another (DAPO's up to three rounds of decoding and
+  scoring a step) add up, so the gaps between them (the other phase's rounds) do not count."""
+  total, lo, hi, comp = 0.0, None, -math.inf, 0.0
+  for sp in sorted(spans, key=lambda sp: sp["start"]):
+    if lo is not None and sp["start"] < hi:  # overlaps the group so far
+      hi, comp = max(hi, sp["end"]), max(comp, float(sp.get("compile_s", 0.0)))
+      continue
+    if lo is not None:
+      total += max(0.0, hi - lo - comp)
+    lo, hi, comp = sp["start"], sp["end"], float(sp.get("compile_s", 0.0))
+  return total + (max(0.0, hi - lo - comp) if lo is not None else 0.0)
+
+
 def _phase_stats(spans: list[dict], skip_steps: int = 0) -> dict[str, PhaseStats]:
   out = {}
   for phase in _phase_order(sp["phase"] for sp in spans):
     mine = [sp for sp in spans if sp["phase"] == phase]
-    per_step: dict[int, float] = {}
     later = any(sp["step"] >= skip_steps for sp in mine)
-    for sp in mine:  # the seconds it ran: a step's new-shape compile is not read as a slow phase
+    by_step: dict[int, list[dict]] = {}
+    for sp in mine:
       if sp["step"] >= skip_steps or not later:
-        ran = max(0.0, sp["end"] - sp["start"] - sp.get("compile_s", 0.0))
-        per_step[sp["step"]] = per_step.get(sp["step"], 0.0) + ran
+        by_step.setdefault(sp["step"], []).append(sp)
+    per_step = {k: step_seconds(v) for k, v in by_step.items()}
     out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
                             busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
                             # a stream's empty tile (a batch finished inside another's, or by the same drain)
