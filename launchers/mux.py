@@ -77,12 +77,16 @@ def main(argv: Sequence[str]) -> None:
     return
   if not _JOB.value or not _WORKDIR.value:
     raise app.UsageError("give --job (one per job) and --workdir, or --plan=TRACE.jsonl")
+  from jaxrl_topo.models import hf_io
   from jaxrl_topo.runtime.workdir import CONFIG_FILE, IDENTITY_FILE, has_run, held, model_files
 
   workdir = _WORKDIR.value
-  if (up := _first_existing(workdir)) is not None and not os.path.isdir(up):  # before: "File exists" at the lock,
-    where = "" if up == os.path.abspath(workdir) else f": {up}"  # checks done
-    raise cli.UserError(f"--workdir {workdir}{where} is a file: name a directory (made if missing)")
+  if os.path.isfile(workdir):  # before: "File exists" from the lock, after every job's checks
+    raise cli.UserError(f"--workdir {workdir} is a file: name a directory (made if missing)")
+  try:  # a path under a file, or in a folder this user cannot write
+    hf_io.check_parent(workdir, "--workdir")
+  except OSError as e:
+    raise cli.UserError(str(e)) from None
   if model := model_files(workdir):
     raise cli.UserError(f"--workdir {workdir} holds {', '.join(model)}: a model directory, not a group's; nothing was "
                         "changed. Give the group its own directory (each job gets a folder inside it)")
@@ -192,17 +196,6 @@ def kept_results(results: dict, earlier: dict, steps: dict) -> set[str]:
     if before.get("ok") and reached >= steps[jid]:
       results[jid] = {**before, "resumed_from": results[jid]["resumed_from"]}
   return finished
-
-
-def _first_existing(path: str) -> str | None:
-  """`path` or its nearest ancestor that exists (None: none does)."""
-  path = os.path.abspath(path)
-  while not os.path.lexists(path):
-    parent = os.path.dirname(path)
-    if parent == path:
-      return None
-    path = parent
-  return path
 
 
 def other_job_folders(workdir: str, job_ids: Sequence[str]) -> list[str]:

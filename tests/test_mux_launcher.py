@@ -266,12 +266,12 @@ def test_a_runs_workdir_is_refused_as_a_groups(tmp_path):
   # a --config.key without a value exits 2 as the other usage errors do (before: 1).
   shutil.rmtree(group)
   group.write_text("")
-  for workdir, says in ((group, f"--workdir {group} is a file"), (group / "sub", f"--workdir {group / 'sub'}: {group} "
-                                                                                  "is a file")):
+  for workdir, says in ((group, f"--workdir {group} is a file: name a directory (made if missing)"),
+                        (group / "sub", f"--workdir={group / 'sub'}: {group} is a file, not a directory")):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "mux.py"), f"--job={CONFIGS}/grpo_task.py",
                           f"--workdir={workdir}"], env=cpu_env(1, PYTHONPATH=ROOT), capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 2 and f"error: {says}: name a directory (made if missing)" in out.stderr, out.stderr
+    assert out.returncode == 2 and f"error: {says}\n" in out.stderr, out.stderr
   out = _launch(tmp_path, "--config.topology.mode", f"--job={CONFIGS}/grpo_task.py:tiny")
   assert (out.returncode, out.stderr) == (2, "error: --config.topology.mode: write --config.key=value\n")
 

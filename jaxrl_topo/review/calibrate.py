@@ -26,11 +26,7 @@ def _per_step(spans: Sequence[Mapping], phase: str, skip_steps: int) -> list[flo
   """Per step from skip_steps, the seconds a phase ran (`overlap.step_seconds`, as the overlap audit reads them):
   a step that compiled a new shape is read at the speed it ran. Before, the step's extent (last end - first
   start) counted the scoring between DAPO's rounds as decoding, and the rounds' decoding as scoring."""
-  by_step: dict[int, list[Mapping]] = {}
-  for s in spans:
-    if s["phase"] == phase and s["step"] >= skip_steps:
-      by_step.setdefault(s["step"], []).append(s)
-  return [overlap.step_seconds(by_step[k]) for k in sorted(by_step)]
+  return list(overlap.seconds_by_step((s for s in spans if s["phase"] == phase), skip_steps).values())
 
 
 def _validate_spans(spans: Sequence[Mapping]) -> None:

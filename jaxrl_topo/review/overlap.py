@@ -195,16 +195,21 @@ def step_seconds(spans: Iterable[Mapping]) -> float:
   return total + (max(0.0, hi - lo - comp) if lo is not None else 0.0)
 
 
+def seconds_by_step(spans: Iterable[Mapping], skip_steps: int = 0) -> dict[int, float]:
+  """{step: `step_seconds` of its spans}, in step order, for the steps >= skip_steps of one phase's spans."""
+  by_step: dict[int, list[Mapping]] = {}
+  for sp in spans:
+    if sp["step"] >= skip_steps:
+      by_step.setdefault(sp["step"], []).append(sp)
+  return {k: step_seconds(by_step[k]) for k in sorted(by_step)}
+
+
 def _phase_stats(spans: list[dict], skip_steps: int = 0) -> dict[str, PhaseStats]:
   out = {}
   for phase in _phase_order(sp["phase"] for sp in spans):
     mine = [sp for sp in spans if sp["phase"] == phase]
-    later = any(sp["step"] >= skip_steps for sp in mine)
-    by_step: dict[int, list[dict]] = {}
-    for sp in mine:
-      if sp["step"] >= skip_steps or not later:
-        by_step.setdefault(sp["step"], []).append(sp)
-    per_step = {k: step_seconds(v) for k, v in by_step.items()}
+    later = any(sp["step"] >= skip_steps for sp in mine)  # else (a phase only in early steps) all of them
+    per_step = seconds_by_step(mine, skip_steps if later else 0)
     out[phase] = PhaseStats(count=len(mine), steps=len(per_step), total_s=sum(sp["end"] - sp["start"] for sp in mine),
                             busy_s=_length(_union((sp["start"], sp["end"]) for sp in mine)),
                             # a stream's empty tile (a batch finished inside another's, or by the same drain)
