@@ -203,19 +203,28 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(USER_ERROR_EXIT)
 
 
-_ONCE_FLAGS = ("config", "workdir", "out")  # what a launch reads and writes: a second one is a mistake, not an override
-
-
 def _given_once(argv: list[str]) -> None:
-  """Refuses a second --config, --workdir or --out: absl keeps the last one, so `--config=a.py --config=b.py`
-  silently ran b.py (with overrides it failed as "flag defined twice"), and `--workdir=a --workdir=b` wrote b."""
+  """Refuses a flag given twice, unless it is a repeatable one (--stop, --job, --set): absl keeps the last one, so
+  `--config=a.py --config=b.py` silently ran b.py (with overrides it failed as "flag defined twice"),
+  `--workdir=a --workdir=b` wrote b, and `--model=a --model=b` generated from b. A boolean's --noX counts as --X."""
   end = argv.index("--") if "--" in argv else len(argv)
-  for name in (n for n in _ONCE_FLAGS if n in flags.FLAGS):  # mux.py has no --config: its own message says why
-    given = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < end else "")
-             for i, a in enumerate(argv[:end]) if i and a.split("=", 1)[0] in (f"--{name}", f"-{name}")]
-    if len(given) > 1:
+  given: dict[str, list[str]] = {}
+  for i, a in enumerate(argv[:end]):
+    if not i or not a.startswith("-") or a.startswith("--config."):
+      continue
+    name = a.lstrip("-").split("=", 1)[0]
+    negated = name.startswith("no") and name not in flags.FLAGS and name[2:] in flags.FLAGS
+    if negated and isinstance(flags.FLAGS[name[2:]], flags.BooleanFlag):
+      name = name[2:]
+    if name not in flags.FLAGS or isinstance(flags.FLAGS[name], flags.MultiFlag):
+      continue
+    boolean = isinstance(flags.FLAGS[name], flags.BooleanFlag)
+    value = a.split("=", 1)[1] if "=" in a else a if boolean else (argv[i + 1] if i + 1 < end else "")
+    given.setdefault(name, []).append(value)
+  for name, values in given.items():
+    if len(values) > 1:
       keys = ", and change its keys with --config.<key>=value" if name == "config" else ""
-      raise UserError(f"--{name} given {len(given)} times ({', '.join(given)}): give one{keys}")
+      raise UserError(f"--{name} given {len(values)} times ({', '.join(values)}): give one{keys}")
 
 
 def _none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -45,6 +45,8 @@ def preset_with(preset: str, items: Sequence[str]):
     if name in NOT_ARCHITECTURE:
       raise cli.UserError(f"--set={item}: not part of the model's config.json (a run sets it: "
                           f"{NOT_ARCHITECTURE[name]})")
+    if name in overrides:  # before: the last one won, and the printed shape named both
+      raise cli.UserError(f"--set: {name} given twice ({name}={overrides[name]!r}, {item}): give it once")
     overrides[name] = cli.value_of(text)
   try:  # a field that does not exist is named with the nearest; then ModelConfig's own checks
     return get_preset(preset, **overrides)

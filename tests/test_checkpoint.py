@@ -5,6 +5,7 @@ a process SIGKILLed while an async save is in flight, which must leave the previ
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -229,6 +230,11 @@ def test_usage_errors(tmp_path):
       ckpt.save(1, tree, {"x": object()})
     with pytest.raises(TypeError, match="meta must be a dict"):
       ckpt.save(1, tree, [1])
+    for bad in (-1, "x", 1.5, True):  # before (a new user's trial): -1 saved (latest_step() -1), "x" failed in int()
+      says = f"^Checkpointer.save: step must be an int >= 0, got {re.escape(repr(bad))}$"
+      with pytest.raises(ValueError, match=says):
+        ckpt.save(bad, tree, {})
+    assert ckpt.latest_step() is None
     ckpt.save(2, tree, {})
     with pytest.raises(ValueError, match="step 2 <= newest checkpoint 2"):
       ckpt.save(2, tree, {})
@@ -237,6 +243,14 @@ def test_usage_errors(tmp_path):
       ckpt.restore(2, no_sharding)
   with pytest.raises(TypeError, match=r"leaf \['n'\] is a ndarray"):
     abstract_like({"n": np.zeros(3)})
+  # A file, or a path under one: refused at construction (before: orbax logged a traceback from its thread, and
+  # the first save failed with "[Errno 20] Not a directory").
+  (tmp_path / "f.txt").write_text("x")
+  with pytest.raises(NotADirectoryError, match=f"^Checkpointer: {tmp_path}/f.txt is a file; name a directory"):
+    Checkpointer(str(tmp_path / "f.txt"))
+  with pytest.raises(NotADirectoryError, match=f"^Checkpointer: directory={tmp_path}/f.txt/ck: {tmp_path}/f.txt is a "
+                                               "file, not a directory$"):
+    Checkpointer(str(tmp_path / "f.txt" / "ck"))
 
 
 _KILLED_CHILD = textwrap.dedent("""

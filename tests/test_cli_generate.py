@@ -211,7 +211,7 @@ def test_bad_prompt_lines_name_file_and_line(tmp_path, model):
   from jaxrl_topo.rollout import generate
 
   p, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
-  p.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [3, 99999]}\n')
+  p.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [4]}\n{"prompt_ids": [3, 99999]}\n\n')  # a blank end is fine
   _one_line_error(_generate(model, p, out), f"{p}:3: prompt_ids holds 99999; token ids must lie in [0, ")
   assert not out.exists()
   p.write_text('{"prompt_ids": [-1]}\n')
@@ -280,6 +280,12 @@ def test_init_model_never_overwrites(tmp_path, model):
     with pytest.raises(OSError, match=says):
       hf_io.check_out_dir(str(out))
   assert afile.read_text() == "mine\n"
+  # Made to be sure, then removed (before, as root: export to --out=/proc/e1 passed the checks, then failed with
+  # "/proc/e1: No such file or directory", naming no flag).
+  with pytest.raises(OSError, match=f"^--out={tmp_path}/{'x' * 300}/m cannot be written: File name too long$"):
+    hf_io.check_out_dir(str(tmp_path / ("x" * 300) / "m"))
+  hf_io.check_out_dir(str(tmp_path / "new" / "m"))
+  assert not (tmp_path / "new").exists()
 
 
 def test_init_model_sets_fields_of_the_preset(tmp_path):
@@ -294,6 +300,22 @@ def test_init_model_sets_fields_of_the_preset(tmp_path):
   _one_line_error(_run(INIT, "--preset=tiny", "--set=n_layer=3", f"--out={tmp_path / 'x'}"),
                   "--set: 'n_layer' is not a model config field; did you mean 'n_layers'?")  # the rest: preset_with
   assert not (tmp_path / "x").exists()
+  # Before (a new user's trial): the last --set of a field won, and the printed shape named both.
+  _one_line_error(_run(INIT, "--preset=tiny", "--set=n_layers=3", "--set=n_layers=1", f"--out={tmp_path / 'x'}"),
+                  "--set: n_layers given twice (n_layers=3, n_layers=1): give it once")
+  assert not (tmp_path / "x").exists()
+
+
+def test_a_flag_given_twice_is_refused(tmp_path, model):
+  """Before (a new user's trial): absl kept the last one, so --model=a --model=b generated from b without a word.
+  Repeatable flags (--stop) stay repeatable; a boolean's --noX counts as --X."""
+  p = _prompts(tmp_path / "in.jsonl", ["abc"])
+  out = tmp_path / "o.jsonl"
+  _one_line_error(_generate(model, p, out, f"--model={tmp_path}"), f"--model given 2 times ({model}, {tmp_path}): "
+                                                                   "give one")
+  _one_line_error(_generate(model, p, out, "--greedy", "--nogreedy"), "--greedy given 2 times (--greedy, --nogreedy)")
+  _one_line_error(_generate(model, p, out, "--stop=a", "--stop=b", "--top_p=0"), "--top_p")  # the next check's error
+  assert not out.exists()
 
 
 @pytest.fixture

@@ -174,6 +174,10 @@ def test_stop_ids_and_gen_id_tags(tiny):
     (Request([1, 2], n=5, max_new_tokens=8), "n=5 samples need as many decode slots"),
     (Request([], max_new_tokens=3), "non-empty prompt"),
     (Request([1, 500], max_new_tokens=8), "token ids must lie in"),
+    (Request([1, 2], max_new_tokens=8, stop_ids=(999,)), r"stop_ids \(999,\) must lie in \[0, 128\)"),
+    (Request([1, 2], max_new_tokens=8, stop_strings=("",)), "an empty stop string would stop every sample"),
+    (Request([1, 2], max_new_tokens=8, stop_strings=("ab",)), "stop strings need an engine built with detokenize="),
+    (Request([1, 2], max_new_tokens=8, max_turns=2), r"^Request.max_turns > 0 asks for an episode, .* pass turns="),
 ])
 def test_bad_requests_are_refused_before_any_work(tiny, request_, message):
   graphdef, params = tiny
@@ -297,6 +301,30 @@ def test_stop_strings_cut_at_the_token_that_completes_them(tiny):
     _engine(graphdef, params).run([Request(prompts[0], max_new_tokens=4, stop_strings=("x",))])
 
 
+def test_a_failure_inside_a_run_leaves_the_engine_as_good_as_new(tiny):
+  """A hook that raises mid-run (after asking for new weights) reaches the caller, and the engine drops every
+  sequence: its slots and pages are free, the update landed, and the next run gives a fresh engine's tokens under
+  the new weights. Before (a new user's trial), every later run failed: "admit: seq id 0 is None or already in
+  slot 0"."""
+  graphdef, params = tiny
+  _, new = _tiny_params(seed=7)
+  requests = [Request(p, n=2, max_new_tokens=12) for p in _prompts(3, seed=31)]
+  eng = _engine(graphdef, params, eos_ids=())
+
+  def hook(engine):
+    if engine.stats["chunks"] == 1:
+      engine.update_weights(new, gen_id=1)
+      raise RuntimeError("the hook failed")
+
+  with pytest.raises(RuntimeError, match="the hook failed"):
+    eng.run(requests, on_chunk=hook)
+  assert eng.gen_id == 1 and eng.params is new
+  assert eng.pool.n_free_slots() == 4 and eng.pool.n_free_pages() == 64 and not eng.pool.pins()
+  again = eng.run(requests)
+  want = _engine(graphdef, new, eos_ids=()).run(requests)
+  assert [s.tokens for s in again] == [s.tokens for s in want] and all(set(s.gen_ids) == {1} for s in again)
+
+
 # ---------------------------------------------------------------- sharded rollout mesh
 
 
@@ -332,6 +360,11 @@ def test_engine_on_a_sharded_rollout_mesh_matches_one_device(tiny, axes, impl, m
   assert len(eng.state.cache.k_LPSKH.sharding.device_set) == axes["data"] * axes["tensor"]
   with pytest.raises(ValueError, match="multiple of the mesh's data axis"):
     RolloutEngine(graphdef, TINY, sharded, EngineConfig(n_slots=3), mesh=mesh)
+  # Weights elsewhere (a new user's trial: the trainer's layout) are refused at once, naming the leaf; before, the
+  # engine was built and its first call failed in JAX's words ("Received incompatible devices for jitted ...").
+  with pytest.raises(ValueError, match=r"^RolloutEngine: params\['embed_tokens'\] lies on devices \[7\], "
+                                       r"the engine's mesh on \[0, "):
+    RolloutEngine(graphdef, TINY, jax.device_put(params, jax.devices()[7]), EngineConfig(n_slots=4), mesh=mesh)
 
 
 def test_jetstream_shaped_pieces_drive_one_sequence(tiny):
@@ -396,6 +429,13 @@ def test_requests_and_engine_config_take_plain_python_values_or_say_what_they_ne
     Request([1.5, 2.0])
   with pytest.raises(ValueError, match="^Request.stop_strings must be a str or a sequence of str, got"):
     Request([1], stop_strings=("a", 3))
+  # Before (a new user's trial): "'float' object cannot be interpreted as an integer" from the scheduler, and
+  # "'<=' not supported between instances of 'str' and 'int'".
+  with pytest.raises(ValueError, match=r"^Request.n must be an int, got float 2.5$"):
+    Request([1], n=2.5)
+  with pytest.raises(ValueError, match=r"^Request.max_new_tokens must be an int, got str '8'$"):
+    Request([1], max_new_tokens="8")
+  assert Request([1], n=np.int64(2)).n == 2 and type(Request([1], n=np.int64(2)).n) is int
   assert EngineConfig(eos_ids=5).eos_ids == (5,)
   ecfg = EngineConfig(eos_ids=[2, np.int64(3)])
   assert ecfg.eos_ids == (2, 3) and type(ecfg.eos_ids[1]) is int and hash(ecfg)

@@ -168,9 +168,12 @@ def test_engine_options_are_checked_before_any_work():
   with pytest.raises(ValueError, match=r"kv_dtype='int8'; expected one of"):
     generate.engine_knobs({"kv_dtype": "int8"})
   assert generate.engine_knobs(None) == {} and generate.engine_knobs({"max_chunk": 0}) == {"max_chunk": 0}
-  for size, says in ((0, "page_size=0 must be positive"), (2.5, "page_size=2.5 must be of type int")):
-    with pytest.raises((ValueError, TypeError), match=says):  # EngineConfig's check, before any file is read
-      generate.run("/no/model", "/no/prompts.jsonl", "/no/out.jsonl", page_size=size)
+  for kw, says in ((dict(page_size=0), "page_size=0 must be positive"),
+                   (dict(page_size=2.5), "page_size=2.5 must be of type int"),
+                   (dict(read="bogus"), r"^read='bogus'; expected one of \('auto', 'reference', "),  # was after loading
+                   (dict(max_new_tokens=0), "^max_new_tokens=0 must be positive")):
+    with pytest.raises((ValueError, TypeError), match=says):  # before any file is read
+      generate.run("/no/model", "/no/prompts.jsonl", "/no/out.jsonl", **kw)
 
 
 def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tiny_dir, tmp_path):
@@ -189,6 +192,7 @@ def test_generate_on_a_tensor_parallel_mesh_matches_one_device(tiny_dir, tmp_pat
     ('{"prompt_ids": [1, "a"]}', "list of ints"),
     ('{"prompt_ids": []}', "empty prompt"),
     ("not json", "not valid JSON"),
+    ('\n{"prompt": "y"}', "a blank line between prompts"),  # before: skipped, so output line 2 answered line 3
 ])
 def test_bad_prompt_lines_name_the_line(tiny_dir, tmp_path, line, message):
   prompts = tmp_path / "in.jsonl"

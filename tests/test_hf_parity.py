@@ -140,6 +140,19 @@ def test_save_model_ships_the_tokenizer_it_is_given(tmp_path):
   with pytest.raises(FileNotFoundError, match=f"^tokenizer_dir={bare}: no tokenizer.json there; nothing was written"):
     hf_io.save_model(str(tmp_path / "x"), cfg, params, tokenizer_dir=bare)
   assert not os.path.exists(tmp_path / "x")
+  # A model directory is replaced; anything else that holds files is not (a new user's trial: a run's workdir had
+  # its config.json replaced by the model's, silently).
+  hf_io.save_model(bare, cfg, jax.tree.map(lambda x: x * 2, params))
+  np.testing.assert_array_equal(hf_io.load_model(bare, dtype="float32")[2]["norm"]["weight"],
+                                2 * np.asarray(params["norm"]["weight"]))
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.json").write_text('{"model": {}}')
+  with pytest.raises(FileExistsError, match=f"^save_model: model_dir={run} already exists and is not empty and "
+                                            "holds no model to replace; nothing was written"):
+    hf_io.save_model(str(run), cfg, params)
+  assert sorted(os.listdir(run)) == ["checkpoints", "config.json"]
+  assert (run / "config.json").read_text() == '{"model": {}}'
 
 
 # --- bad checkpoints: every error names the tensor -------------------------------------------

@@ -80,6 +80,20 @@ def test_changing_a_token_never_changes_earlier_logits():
     assert np.abs(got[:, t] - base[:, t]).max() > 1e-2, f"changing token {t} did not change its own logits"
 
 
+def test_forward_names_a_shape_it_cannot_take():
+  """Before (a new user's trial): 1-D tokens failed as "zip() argument 2 is longer than argument 1", and positions
+  of another length as "mul got incompatible shapes for broadcasting" from inside the model."""
+  graphdef, params = _model()
+  abstract = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+  for tokens, positions, says in (((8,), (8,), r"^forward: tokens must be \[batch, time\] token ids, got shape \(8,\)"),
+                                  ((4, 8), (4, 4), r"^forward: positions has shape \(4, 4\), tokens \(4, 8\)")):
+    with pytest.raises(ValueError, match=says):
+      jax.eval_shape(functools.partial(forward, graphdef), params, jax.ShapeDtypeStruct(tokens, jnp.int32),
+                     jax.ShapeDtypeStruct(positions, jnp.int32))
+  out = jax.eval_shape(functools.partial(forward, graphdef), params, abstract, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  assert out[0].shape == (4, 8, TINY.vocab_size)  # positions shared by every row broadcast
+
+
 def test_packed_segments_match_each_sequence_alone():
   """Row = A (5 tokens, segment 1) + B (3 tokens, segment 2) + 2 padding (segment 0), positions restart."""
   graphdef, params = _model()
@@ -198,6 +212,10 @@ def test_init_params_op_by_op_draws_the_compiled_values_up_to_rounding(caplog):
 
 
 def test_init_params_on_a_mesh_is_born_sharded():
+  # A misspelt axis (a new user's trial) left every weight whole on each device, silently.
+  with pytest.raises(ValueError, match=r"^mesh axis 'fdsp' is none of \('data', 'fsdp', 'tensor'\) \(did you mean "
+                                       r"'fsdp'\?\): the sharding rules place nothing on another name"):
+    make_mesh({"fdsp": 8})
   mesh = make_mesh({"fsdp": 4, "tensor": 2})
   _, abstract = abstract_model(TINY)
   want = param_shardings(abstract, mesh, TRAIN_RULES)

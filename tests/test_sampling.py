@@ -201,11 +201,31 @@ def test_top_p_and_min_p_compile_to_no_sort():
      (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
      (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.0), "top_k"),
      (dict(min_p=-0.1), "min_p"), (dict(min_p=1.0), "min_p"), (dict(greedy=1), "greedy"),
-     (dict(temperature="1"), "temperature")],
+     (dict(temperature="1"), "temperature"), (dict(temperature=1e-5), "temperature")],
 )
 def test_config_validation(kwargs, field):
   with pytest.raises(ValueError, match=f"{field}="):
     SamplingConfig(**kwargs)
+
+
+def test_log_probs_stay_finite_and_at_most_zero_at_the_lowest_temperature():
+  """A new user's trial: --temperature=1e-30 wrote log-probs of -inf and +inf (and JSON that is not JSON), and
+  1e-3 gave +4e-8. Temperatures below MIN_TEMPERATURE are refused (greedy is what they mean); at it and above, the
+  log-probs are a float64 reference's and 0 at most. Dividing the logits by T before subtracting their max, as
+  before, missed by up to 0.003 here (the suite's XLA flags; +5e-8 with XLA's defaults)."""
+  keys_B = jax.random.split(jax.random.key(1), 8)
+  for scale in (3.0, 30.0):
+    logits_BV = scale * jax.random.normal(jax.random.key(0), (8, 128))
+    for t in (1e-4, 1e-3, 0.7):
+      tok_B, lp_B = jax.jit(sample_tokens, static_argnames="cfg")(logits_BV, keys_B, cfg=SamplingConfig(temperature=t))
+      scaled_BV = np.asarray(logits_BV, np.float64) / np.float32(t)
+      want_BV = scaled_BV - scaled_BV.max(-1, keepdims=True)
+      want_BV -= np.log(np.exp(want_BV).sum(-1, keepdims=True))
+      np.testing.assert_allclose(lp_B, want_BV[np.arange(8), tok_B], rtol=1e-6, atol=1e-6, err_msg=f"{scale} {t}")
+      assert float(lp_B.max()) <= 0.0, (scale, t, lp_B)
+  with pytest.raises(ValueError, match="^temperature=1e-30 is below 0.0001: .* use greedy decoding"):
+    SamplingConfig(temperature=1e-30)
+  assert SamplingConfig(greedy=True, temperature=1e-30).greedy  # greedy ignores the temperature
 
 
 def test_configs_built_in_python_check_their_scalar_types():

@@ -263,6 +263,17 @@ def check_out_dir(path: str, flag: str = "--out", *, replace_model: bool = False
     raise FileExistsError(f"{flag}={path} is a file, not a directory; nothing was written")
   if not os.path.isdir(path):
     check_parent(path, flag)
+    first = os.path.abspath(path)  # the outermost folder to make: try it (os.access says yes to root, and to /proc)
+    while not os.path.exists(os.path.dirname(first)):
+      first = os.path.dirname(first)
+    try:
+      os.mkdir(first)
+    except FileExistsError:  # another process of this run probes it too
+      return
+    except OSError as e:
+      raise OSError(f"{flag}={path} cannot be written: {e.strerror}") from None
+    with contextlib.suppress(OSError):  # (or removes it first)
+      os.rmdir(first)
     return
   if os.listdir(path) and not (replace_model and is_model_dir(path)):
     what = " and holds no model to replace" if replace_model else ""
@@ -296,7 +307,9 @@ def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str |
   """Writes `params` as an HF directory that `transformers` loads. Call from every process;
   process 0 writes. `dtype` defaults to cfg.param_dtype. `tokenizer_dir`: a model directory whose tokenizer files
   (tokenizer*.json, special tokens, chat template, generation_config.json: `tokenizer_files`) are copied in last,
-  so `Tokenizer.from_dir(model_dir)` (generate, serve) loads the saved policy; without it, no tokenizer is written."""
+  so `Tokenizer.from_dir(model_dir)` (generate, serve) loads the saved policy; without it, no tokenizer is written.
+  `model_dir` must be absent, empty or a model directory (whose model this one replaces): anything else (a run's
+  workdir, say) is refused with nothing written."""
   if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
     raise FileNotFoundError(f"tokenizer_dir={tokenizer_dir}: no tokenizer.json there; nothing was written")
   dtype = dtype or cfg.param_dtype
@@ -308,6 +321,7 @@ def save_model(model_dir: str, cfg: ModelConfig, params: Params, *, dtype: str |
       progress(hf_name(path))
   if jax.process_index() != 0:
     return
+  check_out_dir(model_dir, "save_model: model_dir", replace_model=True)  # after the gather: no process waits on us
   os.makedirs(model_dir, exist_ok=True)
   shards: list[dict[str, np.ndarray]] = [{}]
   for name, t in tensors.items():

@@ -85,7 +85,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None, rule
 
 
 def forward(graphdef, params: Params, tokens_BT, positions_BT, segment_ids_BT=None, cache=None):
-  """(logits_BTV float32, cache) — a pure function of arrays; call it inside your own jit."""
+  """(logits_BTV float32, cache) — a pure function of arrays; call it inside your own jit. The shapes are checked
+  as it traces (nothing runs): token ids [B, T], and positions (segment ids) of that shape or one that broadcasts
+  to it."""
+  shape = jnp.shape(tokens_BT)
+  if len(shape) != 2:
+    raise ValueError(f"forward: tokens must be [batch, time] token ids, got shape {shape}")
+  for name, x in (("positions", positions_BT), ("segment_ids", segment_ids_BT)):
+    if x is not None and (len(jnp.shape(x)) != 2 or any(a not in (1, b) for a, b in zip(jnp.shape(x), shape))):
+      raise ValueError(f"forward: {name} has shape {jnp.shape(x)}, tokens {shape}: give one per token")
   return nnx.merge(graphdef, params)(tokens_BT, positions_BT, segment_ids_BT, cache)
 
 

@@ -34,7 +34,13 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.rollout import device, uploads
 from jaxrl_topo.rollout.dense import bucket_length
 from jaxrl_topo.rollout.device import DecodeState
-from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES, EngineConfig, check_fits_model, check_update
+from jaxrl_topo.rollout.engine_config import (
+  UPDATE_POLICIES,
+  EngineConfig,
+  check_fits_model,
+  check_on_mesh,
+  check_update,
+)
 from jaxrl_topo.rollout.host_state import _Dispatched, _Pending, _pow2, _SlotMirror, _Wave, count_chunk, window_pages
 from jaxrl_topo.rollout.kv_pool import OutOfPages, PagePool
 from jaxrl_topo.rollout.paged import PagedKVCache
@@ -79,20 +85,39 @@ class RolloutEngine:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     self._fold_heads = (platform == "cpu" and cfg.n_kv_heads <= 2
                         and not (self.layout is not None and self.layout.kv_heads_split))
-    self.pool = PagePool(ecfg.n_pages, ecfg.page_size, ecfg.n_slots, ecfg.max_pages_per_seq,
-                         n_shards=self.layout.data if self.layout else 1)  # a data shard's slots get its pages
-    self.host = _SlotMirror.zeros(ecfg.n_slots)
+    check_on_mesh(params, mesh)
+    self._epoch_B = np.zeros(ecfg.n_slots, np.int64)  # bumped at every admission and free of a slot
+    self._new_host_side()
     self.state = self._zero_state()
     self.stats = collections.Counter()
     self._kv_released = False
     self._dev_table = self.pool.table()  # what the device's page table holds
-    self._epoch_B = np.zeros(ecfg.n_slots, np.int64)  # bumped at every admission and free of a slot
+
+  def _new_host_side(self) -> None:
+    """The host's bookkeeping of an engine that holds no sequence."""
+    e = self.ecfg
+    self.pool = PagePool(e.n_pages, e.page_size, e.n_slots, e.max_pages_per_seq,
+                         n_shards=self.layout.data if self.layout else 1)  # a data shard's slots get its pages
+    self.host = _SlotMirror.zeros(e.n_slots)
+    self._epoch_B += 1  # chunks dispatched before this read as stale
     self._waves: list[_Wave] = []  # admitted, prefill not yet dispatched
     self._rows: dict[int, tuple] = {}  # slot -> (last, pos, seq, left, active, stop ids) for the next patch
     self._copies: dict[int, tuple[int, int]] = {}  # slot -> page copy for the next patch (forks from pins)
     # (seq id, pin id) -> (first token, log-prob, gen_id), read for samples prefilled without a slot
     self.first_of: dict[tuple[int, int], tuple[int, float, int]] = {}
     self._unread: list = []  # dispatched prefills whose first tokens are not read yet
+
+  def _abandon(self) -> None:
+    """After a failure inside a stream (an `on_chunk` hook raised, a batch was left unfinished, Ctrl-C): every
+    sequence is dropped with its slot and pages, a requested weight update lands, and the KV pool's device memory
+    is freed (the next admission allocates a fresh one, compiling nothing), so the next call starts clean."""
+    if self._pending is not None:
+      self._swap()
+    self._new_host_side()
+    try:
+      self.release_kv()
+    except Exception:  # noqa: BLE001 -- arrays a failed dispatch consumed: the next admission allocates anew either way
+      self._kv_released = True
 
   @functools.cached_property
   def _zero_state(self) -> Callable[[], DecodeState]:
@@ -410,6 +435,9 @@ class RolloutEngine:
     try:
       yield stream
       stream.close()
+    except BaseException:
+      self._abandon()
+      raise
     finally:
       self._stream, self._running = outer, outer is not None
       self.sampling = saved[1] if outer is not None else self.ecfg.sampling

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from jaxrl_topo.rollout.host_state import _pow2
+from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.requests import token_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import check_types
@@ -55,6 +56,8 @@ class EngineConfig:
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+    if self.impl not in ("auto", *IMPLS):
+      raise ValueError(f"EngineConfig.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
     for name, zero in (("min_window_tokens", "no floor"), ("pallas_splits", "the kernel's default"),
@@ -137,6 +140,19 @@ def check_update(old, new, policy: str) -> None:
   extra = [path for path in got if path not in have]
   if extra:
     raise ValueError(f"update_weights: the new params hold {extra[0]}, which the engine's do not")
+
+
+def check_on_mesh(params, mesh: jax.sharding.Mesh | None) -> None:
+  """RolloutEngine's `params` on its `mesh`'s devices (each array placed on devices, not left to the default one):
+  else every generate program fails at the first call, in JAX's words. The first leaf elsewhere is a ValueError."""
+  if mesh is None:
+    return
+  want = set(mesh.devices.flat)
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != want:
+      raise ValueError(f"RolloutEngine: params{jax.tree_util.keystr(path)} lies on devices {_ids(x)}, the engine's "
+                       f"mesh on {sorted(d.id for d in want)}: load or put the params on the rollout mesh (e.g. "
+                       "hf_io.load_model(path, mesh, ROLLOUT_RULES) or a TransferPlan from the trainer's layout)")
 
 
 def _spell(shape, dtype) -> str:

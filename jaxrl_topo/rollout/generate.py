@@ -30,6 +30,7 @@ from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.engine_config import check_fields, engine_options
+from jaxrl_topo.rollout.paged import IMPLS
 from jaxrl_topo.rollout.requests import stop_string_end
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
@@ -38,8 +39,13 @@ _MIN_BUCKET = 8
 
 
 def read_prompts(path: str, tokenizer: Tokenizer | None, chat: bool, vocab_size: int | None = None) -> list[list[int]]:
-  """Token ids per line; errors name the line. `vocab_size`: ids outside [0, vocab_size) are refused."""
-  prompts = [_prompt_ids(row, tokenizer, chat, where, vocab_size) for where, row in read_jsonl(path)]
+  """Token ids per line; errors name the line. `vocab_size`: ids outside [0, vocab_size) are refused. Output line i
+  answers prompt line i, so a blank line between prompts is refused (blank lines at the end are not)."""
+  rows = read_jsonl(path)
+  for i, (where, _) in enumerate(rows, 1):
+    if int(where.rsplit(":", 1)[1]) != i:
+      raise ValueError(f"{path}:{i}: a blank line between prompts (output line i answers prompt line i): delete it")
+  prompts = [_prompt_ids(row, tokenizer, chat, where, vocab_size) for where, row in rows]
   if not prompts:
     raise ValueError(f"{path}: no prompts")
   return prompts
@@ -204,6 +210,9 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
   per KV page."""
   engine = engine_knobs(engine)
   check_fields({"page_size": page_size}, "")  # EngineConfig's own check, before the model loads
+  if read not in ("auto", *IMPLS):
+    raise ValueError(f"read={read!r}; expected one of {('auto', *IMPLS)}")
+  DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # its checks, before the model loads too
   check_sizes(batch_size, data, tensor)
   check_out_file(out_path, "out_path")
   tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None

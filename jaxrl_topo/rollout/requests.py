@@ -45,6 +45,11 @@ class Request:
       raise ValueError(f"Request.stop_strings must be a str or a sequence of str, got {self.stop_strings!r}")
     object.__setattr__(self, "stop_strings", stops)
     object.__setattr__(self, "stop_ids", token_ids(self.stop_ids, "Request.stop_ids"))
+    for name in ("n", "max_new_tokens", "max_turns"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"Request.{name} must be an int, got {type(value).__name__} {value!r}")
+      object.__setattr__(self, name, int(value))
 
 
 @dataclasses.dataclass
@@ -100,12 +105,17 @@ def check_requests(eng: RolloutEngine, requests: Sequence[Request]) -> None:
                        f"{pool.pages_per_shard}" + (" per data shard" if pool.n_shards > 1 else ""))
     if len(req.stop_ids) > MAX_STOP_IDS:
       raise ValueError(f"request {r}: at most {MAX_STOP_IDS} stop ids")
-    if req.stop_strings and (eng.detokenize is None or not all(req.stop_strings)):
-      raise ValueError(f"request {r}: stop strings need non-empty strings and an engine built with detokenize=")
+    if req.stop_strings and not all(req.stop_strings):
+      raise ValueError(f"request {r}: an empty stop string would stop every sample at once: give non-empty ones")
+    if req.stop_strings and eng.detokenize is None:
+      raise ValueError(f"request {r}: stop strings need an engine built with detokenize= (token ids -> text)")
     if req.max_turns < 0:
       raise ValueError(f"request {r}: max_turns must be >= 0 (0: a plain completion, not an episode)")
     if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= eng.cfg.vocab_size:
       raise ValueError(f"request {r}: token ids must lie in [0, {eng.cfg.vocab_size})")
+    if any(not 0 <= i < eng.cfg.vocab_size for i in req.stop_ids):
+      raise ValueError(f"request {r}: stop_ids {req.stop_ids} must lie in [0, {eng.cfg.vocab_size}) (the model's "
+                       "vocabulary): an id outside it is never sampled")
 
 
 def stop_string_end(tokens: list[int], start: int, stops: Sequence[str], detokenize) -> int | None:

@@ -40,6 +40,7 @@ from jaxrl_topo.runtime.dataclass_io import check_types
 
 _BISECT_STEPS = 32  # > log2(#float32 in [0, 1]) = 30: the bisection ends on adjacent floats.
 _ONE_BITS = 0x3F800000  # int32 bit pattern of float32(1.0).
+MIN_TEMPERATURE = 1e-4  # below it, sampling is refused: greedy decoding is what such a temperature means
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,10 @@ class SamplingConfig:
       raise ValueError(f"temperature must be finite, got temperature={self.temperature}")
     if not self.temperature >= 0 or (not self.greedy and not self.temperature > 0):
       raise ValueError(f"temperature must be > 0 unless greedy, got temperature={self.temperature}")
+    if not self.greedy and self.temperature < MIN_TEMPERATURE:
+      raise ValueError(f"temperature={self.temperature} is below {MIN_TEMPERATURE}: float32 logits / temperature "
+                       "lose their precision there (log-probs came out as +-inf below 1e-8); for the most likely "
+                       "token use greedy decoding (greedy=True, --greedy)")
     if self.top_k < 0:
       raise ValueError(f"top_k must be an int >= 0 (0 = off), got top_k={self.top_k!r}")
     if not 0.0 < self.top_p <= 1.0:
@@ -180,6 +185,10 @@ def sample_tokens(
   else:
     tokens_B = _draw(scaled_BV, keys_B, cfg)
   tokens_B = tokens_B.astype(jnp.int32)
-  logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
-  logprobs_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+  # log_softmax(logits / T) with the max subtracted before the division: the top token's shifted logit is exactly 0,
+  # so a log-prob is <= 0 and finite at any temperature. Divided first, the scaled logits' rounding (|logit| / T
+  # ulps, where XLA computes them twice) read as +-0.003 at T = 1e-4 and as +-inf at 1e-9.
+  logits_BV = logits_BV.astype(jnp.float32)
+  shifted_BV = (logits_BV - logits_BV.max(axis=-1, keepdims=True)) / (1.0 if cfg.greedy else cfg.temperature)
+  logprobs_B = jnp.take_along_axis(shifted_BV, tokens_B[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(shifted_BV, -1)
   return tokens_B, logprobs_B

@@ -43,7 +43,8 @@ class Stream:
       raise ValueError(f"batch {tag!r} is already in the stream")
     check_requests(self.engine, requests)
     if self.turns is None and any(req.max_turns for req in requests):
-      raise ValueError("episodes (max_turns > 0) need a stream opened with turns= (episodes.py)")
+      raise ValueError("Request.max_turns > 0 asks for an episode, which needs an environment to reply: pass "
+                       "turns= (an episodes.py Turns) to run() or stream(); for a plain completion leave max_turns=0")
     first = self.loop.extend(requests, seq_base)
     self.batches[tag] = [first, len(requests), len(requests)]
     for r in range(first, first + len(requests)):

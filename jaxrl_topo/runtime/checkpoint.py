@@ -89,6 +89,12 @@ class Checkpointer:
       raise ValueError(f"Checkpointer keep={keep!r} must be an int >= 1 (checkpoints kept on disk)")
     directory = str(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    if "://" not in directory and os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise NotADirectoryError(f"Checkpointer: {directory} is a file; name a directory (made if missing)")
+    if "://" not in directory and not os.path.exists(self.directory) and not read_only:
+      from jaxrl_topo.models.hf_io import check_parent  # a path under a file, or an unwritable parent
+
+      check_parent(self.directory, "Checkpointer: directory")
     multi = ocp.options.MultiprocessingOptions()
     self._host_copies = False
     if processes is not None and set(processes) != set(range(jax.process_count())):
@@ -117,6 +123,8 @@ class Checkpointer:
     Steps must increase: saving at or below the newest step raises ValueError."""
     if self.read_only:
       raise RuntimeError(f"a read-only Checkpointer cannot save (step {step} in {self.directory})")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"Checkpointer.save: step must be an int >= 0, got {step!r}")
     step = int(step)
     if not isinstance(meta, dict):
       raise TypeError(f"Checkpointer.save: meta must be a dict, got {type(meta).__name__}")

@@ -306,11 +306,11 @@ class Feed:
       b.drained_at = b.drained_at or t
 
   def close(self, abandon: bool = False) -> None:
-    """Ends the stream. `abandon` (the loop is failing): batches added and never taken are dropped, and
-    the sequences still live keep their slots (a resume redraws those batches)."""
+    """Ends the stream. `abandon` (the loop is failing): batches added and never taken are dropped with their
+    sequences, slots and pages (RolloutEngine drops them on the way out; a resume redraws those batches)."""
     if abandon or self.batches:
       stop = RuntimeError("rollout feed abandoned")
-      self._ctx.__exit__(RuntimeError, stop, None)  # unwinds the engine's stream state without closing it
+      self._ctx.__exit__(RuntimeError, stop, None)  # the engine drops the stream's sequences (RolloutEngine._abandon)
     else:
       self._ctx.__exit__(None, None, None)
 

@@ -10,6 +10,7 @@ never replicated by accident (STYLE anti-pattern 4).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 
 import jax
@@ -35,8 +36,18 @@ TRAIN_RULES: Rules = (
 # Rollout: weights whole on each data replica, tensor-parallel inside it; decode slots over `data`.
 ROLLOUT_RULES: Rules = tuple((name, {"batch": "data", "embed": None}.get(name, axes)) for name, axes in TRAIN_RULES)
 
+# Every mesh axis a rule set places tensors on.
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
 def make_mesh(axes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh with Auto (GSPMD) axes over `devices` (default: all), e.g. {"fsdp": 4, "tensor": 2}."""
+  """A mesh with Auto (GSPMD) axes over `devices` (default: all), e.g. {"fsdp": 4, "tensor": 2}. Axes are named
+  from MESH_AXES: no rule would place anything on another name, so every tensor would be whole on each device."""
+  for name in axes:
+    if name not in MESH_AXES:
+      near = difflib.get_close_matches(str(name), MESH_AXES, n=1)
+      raise ValueError(f"mesh axis {name!r} is none of {MESH_AXES}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                       + ": the sharding rules place nothing on another name, so every tensor would be replicated")
   devices = list(jax.devices() if devices is None else devices)
   size = int(np.prod(list(axes.values()))) if axes else 1
   if size != len(devices):
