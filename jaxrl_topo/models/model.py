@@ -92,7 +92,8 @@ def forward(graphdef, params: Params, tokens_BT, positions_BT, segment_ids_BT=No
   if len(shape) != 2:
     raise ValueError(f"forward: tokens must be [batch, time] token ids, got shape {shape}")
   for name, x in (("positions", positions_BT), ("segment_ids", segment_ids_BT)):
-    if x is not None and (len(jnp.shape(x)) != 2 or any(a not in (1, b) for a, b in zip(jnp.shape(x), shape))):
+    fits = x is None or (len(jnp.shape(x)) == 2 and all(a in (1, b) for a, b in zip(jnp.shape(x), shape, strict=True)))
+    if not fits:
       raise ValueError(f"forward: {name} has shape {jnp.shape(x)}, tokens {shape}: give one per token")
   return nnx.merge(graphdef, params)(tokens_BT, positions_BT, segment_ids_BT, cache)
 
