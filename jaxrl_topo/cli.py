@@ -100,12 +100,25 @@ def overrides_hint(msg: str, argv: list[str], job: bool = False) -> str:
   keys = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
   path = next((k[len("--config."):] for k in keys if missing and k.endswith(f".overrides.{missing.group(1)}")), None)
   if path is None:
-    return ""
+    return _section_hint(missing.group(1), keys) if missing else ""
   field, section = missing.group(1), path.rsplit(".", 1)[0]
   whole = (f"{section}={{'{field}': ...}} in the --job (one field: a comma ends the item)" if job else
            f"--config.{section}=\"{{'{field}': ...}}\"")
   return (f"\nhint: {section} holds only the fields its config file gives it, and a command line adds no key: give "
           f"the whole dict, e.g. {whole} (it replaces the config's own)")
+
+
+def _section_hint(field: str, keys: list[str]) -> str:
+  """For "no config key 'x'" from `--config.<section>.x`, where x is a key of other sections (`--config.run.lr`)."""
+  import dataclasses
+
+  from jaxrl_topo.runtime.config import _SECTIONS
+
+  given = next((k[len("--config."):].split(".") for k in keys if k.rsplit(".", 1)[-1] == field), None)
+  homes = [name for name, cls in _SECTIONS.items() if field in {f.name for f in dataclasses.fields(cls)}]
+  if given is None or len(given) != 2 or not homes or given[0] in homes:
+    return ""
+  return f"\nhint: {field} is a key of {' and '.join(homes)}: " + ", ".join(f"--config.{h}.{field}" for h in homes)
 
 
 def device_hint(msg: str) -> str:

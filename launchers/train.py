@@ -42,7 +42,8 @@ def preflight(cfg) -> None:
 
   if cfg.model.hf_dir is not None and not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
     raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r}: no config.json there (expected a local "
-                            "Hugging Face model directory)")
+                            "Hugging Face model directory; --config.model.hf_dir=None trains model.preset "
+                            f"{cfg.model.preset!r} from random weights instead)")
   for key in ("source", "eval_source"):
     src = getattr(cfg.data, key)
     if src is not None and not (key == "source" and cfg.data.is_task) and not os.path.isfile(src):

@@ -46,6 +46,14 @@ def nan(prompts, completions, metadata):
   return [math.nan] * len(completions)
 
 
+def two_args(prompts, completions):  # a reward function is called with three
+  return [0.0] * len(completions)
+
+
+def strings(prompts, completions, metadata):  # float() took these before
+  return ["1.0"] * len(completions)
+
+
 def dies(prompts, completions, metadata):
   os._exit(3)
 

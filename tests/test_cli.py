@@ -76,6 +76,12 @@ def test_a_missing_override_field_hints_at_giving_the_whole_dict():
   assert "--config.model.overrides=\"{'n_layers': ...}\"" in hint
   assert overrides_hint("no config key 'stepz'. Did you mean \"steps\"", [*argv, "--config.run.stepz=1"]) == ""
   assert overrides_hint("no config key 'n_layers'", argv[:2]) == ""
+  # A key of another section (a new user's trial): "no config key 'lr'" said nothing of where lr lives.
+  assert overrides_hint("no config key 'lr'", ["train.py", "--config.run.lr=1e-3"]) == (
+      "\nhint: lr is a key of optim: --config.optim.lr")
+  assert overrides_hint("no config key 'group_size'", ["--config.optim.group_size=4"]) == (
+      "\nhint: group_size is a key of rl: --config.rl.group_size")
+  assert overrides_hint("no config key 'lr'", ["--config.optim.lr=1"]) == ""  # its own section: no hint
 
 
 def test_warm_up_dev_accuracy_on_every_process(capfd, monkeypatch, tmp_path):
@@ -261,6 +267,8 @@ def test_missing_model_dir_is_named_and_the_workdir_is_not_made(tmp_path):
   r = _train(TINY, f"--workdir={tmp_path / 'w'}", f"--config.model.hf_dir={tmp_path / 'nope'}")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert f"model.hf_dir='{tmp_path / 'nope'}': no config.json" in r.stderr
+  # A user who set model.preset beside a config's hf_dir (a new user's trial) learns how to switch it off.
+  assert "--config.model.hf_dir=None trains model.preset 'tiny' from random weights instead" in r.stderr, r.stderr
   assert not (tmp_path / "w").exists()
 
 

@@ -3,6 +3,7 @@ chat rendering of environment replies against transformers' apply_chat_template.
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 
@@ -226,9 +227,19 @@ def test_warmup_demonstrations_mask_the_environment_tokens(tmp_path):
                  "<|im_start|>assistant\n408<|im_end|>"
   model = ours.decode([t for t, m in zip(resp, mask, strict=True) if m], skip_special_tokens=False)
   assert model == "<calc>12*34</calc>408<|im_end|>"
+  # A user's environment that raises or returns the wrong shape in the warm-up (a new user's trial): before, a
+  # 25-line traceback, or "not enough values to unpack (expected 4, got 3)", naming neither environment nor example.
+  calc = env_lib.resolve("calc")
+  raising = lambda: types.SimpleNamespace(reset=lambda ex: 1 / 0, step=calc().step)  # noqa: E731
+  short = lambda: types.SimpleNamespace(reset=calc().reset, step=lambda text: ("x", 1.0, False))  # noqa: E731
+  for make_env, says in ((raising, "ZeroDivisionError: division by zero"),
+                         (short, r"TypeError: step must return \(observation, reward, done, info\), got \('x', ")):
+    with pytest.raises(ValueError, match=r"^env.fn=mine:Env: the warm-up's demonstration of example 0 \('12\*34="
+                                         rf"'\) failed: {says}"):
+      demonstrations(ours, make_env, [ex], resp_len=200, name="mine:Env")
 
 
-def test_a_long_reset_keeps_its_last_tokens_and_an_empty_reply_is_an_env_error(tmp_path):
+def test_a_long_reset_keeps_its_last_tokens_and_an_empty_reply_is_an_env_error(tmp_path, caplog):
   """Found by a helper's review: a reset observation over data.max_prompt_len reached the engine and stopped the
   run ('prompt 219 + max_new_tokens 32 > max_len 96'); an empty observation without a chat template is no tokens,
   and the engine refused the reply (run stopped). Now the prompt keeps its last max_prompt_len tokens, as
@@ -243,6 +254,13 @@ def test_a_long_reset_keeps_its_last_tokens_and_an_empty_reply_is_an_env_error(t
   turns.submit(("t", 0, 0), types.SimpleNamespace(tokens=tok.encode("ab")), 0)
   assert _replies(turns) == [(("t", 0, 0), None, "env_error")]
   assert turns.episodes[("t", 0, 0)].ret == -1.0
+  # The console says so, as for a failing reward function (a new user's trial: only metrics.jsonl counted it).
+  with caplog.at_level(logging.WARNING):
+    sample = types.SimpleNamespace(tokens=tok.encode("ab"), turns=1, finish_reason="env_error")
+    returns, info = turns.take("t", [sample])
+  assert returns.tolist() == [-1.0] and info["env/errors"] == 1
+  assert "environment: 1 of 1 episodes failed (1 errors, 0 timeouts; the last: its observation rendered as no " \
+         "tokens" in caplog.text, caplog.text
 
 
 def _replies(turns, timeout_s: float = 30.0) -> list:

@@ -132,6 +132,11 @@ def test_calibrate_recovers_synthetic_spans():
                       end=t + r + 7.5))
     spans.append(dict(phase="eval", role="trainer", devices=[4], step=k, gen_id=k, start=t, end=t + 3))
     t += r + 7.5
+  # A run that died in step 0 (a new user's trial): before, "calibrate needs rollout and train spans at step >= 1".
+  with pytest.raises(ValueError, match=r"^no step from step 1 on has both a rollout and a train span \(rollout spans: "
+                                       r"steps \[0\]; train spans: steps \[0\]; the fit skips the first 1, .*"
+                                       r"review a run that has finished at least 2 step"):
+    C.calibrate([s for s in spans if s["step"] == 0], batch_seqs=100, skip_steps=1)
   p = C.calibrate(spans, batch_seqs=100, sync_bytes=1e9)
   assert (p.n_devices, p.rollout_devices, p.trainer_devices, p.train_devices) == (8, 4, 4, 4)
   assert p.median_len == pytest.approx(1000.0)  # 1e5 tokens / 100 sequences, sigma=0
@@ -269,7 +274,8 @@ def test_calibrate_colocated_run_and_bad_spans():
   good = tl.to_span_dicts()
   with pytest.raises(ValueError, match="lacks"):
     C.calibrate([{k: v for k, v in good[0].items() if k != "end"}], batch_seqs=100, median_len=1.0)
-  with pytest.raises(ValueError, match="rollout and train spans"):
+  with pytest.raises(ValueError, match=r"has both a rollout and a train span \(rollout spans: steps \[0, .*"
+                                       r"train spans: steps none\)"):
     C.calibrate([s for s in good if s["phase"] != "train"], batch_seqs=100, median_len=1.0)
   with pytest.raises(ValueError, match="tokens_per_step"):
     C.calibrate(good, batch_seqs=100)

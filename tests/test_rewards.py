@@ -61,7 +61,9 @@ def test_resolve_builtins_and_errors():
   assert rewards.resolve("format") is format_reward
   assert rewards.BUILTINS["task"] == "jaxrl_topo.data.tasks:task_reward"  # registered, imported only on resolve
   for path, match in [("nocolon", "import path"), ("a:b:c", "import path"), ("no_such_mod_xyz:f", "no module"),
-                      (M + "missing", "no attribute 'missing'"), (M + "NOT_CALLABLE", "not a callable")]:
+                      (M + "missing", "no attribute 'missing'"), (M + "NOT_CALLABLE", "not a callable"),
+                      (M + "two_args", r"two_args\(prompts, completions\) cannot be called as two_args\(prompts, "
+                                       r"completions, metadata\): too many positional arguments")]:
     with pytest.raises(ValueError, match=match) as err:
       rewards.resolve(path)
     assert repr(path) in str(err.value)
@@ -75,6 +77,8 @@ def test_score_inline_counts_errors():
   np.testing.assert_array_equal(res.total_N, 0.5 * np.array([2, 3, 4, 1]) + 2 * np.array([-1, -1, 1, 1]) - 2)
   assert (res.errors, res.timeouts) == (2 + 4 + 4, 0)
   assert res.total_N.dtype == np.float32
+  res = score_inline([(M + "strings", 1.0)], ["p"] * 2, ["a", "b"], error_score=-1.0)
+  assert res.errors == 2 and res.why == "returned an unusable value (returned a str score '1.0'; scores are numbers)"
 
 
 def test_pool_weighted_totals_without_jax_in_workers():
@@ -91,7 +95,8 @@ def test_pool_weighted_totals_without_jax_in_workers():
 
 
 def test_pool_errors_cost_only_their_chunk():
-  fns = [(M + "raises_on_bad", 1.0), (M + "wrong_length", 1.0), (M + "dies", 1.0), (M + "one", 1.0)]
+  fns = [(M + "raises_on_bad", 1.0), (M + "wrong_length", 1.0), (M + "dies", 1.0), (M + "one", 1.0),
+         (M + "strings", 1.0)]
   with RewardPool(fns, n_workers=2, chunk_size=2, error_score=-1.0) as pool:
     res = pool.score([""] * 4, ["a", "bad", "c", "d"])
     again = pool.score([""] * 2, ["e", "f"])
@@ -103,10 +108,12 @@ def test_pool_errors_cost_only_their_chunk():
   np.testing.assert_array_equal(res.per_fn[M + "wrong_length"], [-1] * 4)
   np.testing.assert_array_equal(res.per_fn[M + "dies"], [-1] * 4)
   np.testing.assert_array_equal(res.per_fn[M + "one"], [1] * 4)
-  assert (res.errors, res.timeouts) == (2 + 4 + 4, 0)
+  np.testing.assert_array_equal(res.per_fn[M + "strings"], [-1] * 4)  # not "did not raise": refused in the worker
+  assert (res.errors, res.timeouts) == (2 + 4 + 4 + 4, 0)
+  assert res.failed[M + "strings"] == 4
   np.testing.assert_array_equal(again.per_fn[M + "one"], [1, 1])  # workers killed by `dies` were replaced
   np.testing.assert_array_equal(after_kill.per_fn[M + "one"], [1, 1])
-  assert after_kill.errors == 2 + 2  # wrong_length and dies, as before; nothing lost to the killed worker
+  assert after_kill.errors == 2 + 2 + 2  # wrong_length, dies and strings; nothing lost to the killed worker
 
 
 def test_pool_kills_a_hanging_call_and_goes_on():

@@ -48,7 +48,7 @@ from absl import logging
 
 from jaxrl_topo.cli import UserError
 from jaxrl_topo.envs import rewards
-from jaxrl_topo.envs.reward_worker import Worker, WorkerPool
+from jaxrl_topo.envs.reward_worker import Worker, WorkerPool, scores_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +98,9 @@ def _chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
 def _vet(out, n: int) -> tuple[np.ndarray | None, str]:
   """`out` as float32[n], or (None, the reason it is unusable)."""
   try:
-    scores = np.asarray([float(x) for x in out], dtype=np.float64)
+    scores = np.asarray(scores_of(out), dtype=np.float64)
   except Exception as e:  # not iterable, or items that are not numbers
-    return None, f"returned an unusable value ({type(e).__name__}: {e})"
+    return None, f"returned an unusable value ({e})"
   if len(scores) != n:
     return None, f"returned {len(scores)} scores for {n} items"
   if not np.all(np.isfinite(scores)):

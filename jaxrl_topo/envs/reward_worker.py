@@ -35,10 +35,28 @@ def worker_main(conn, sys_path: list[str], paths: list[str]) -> None:
       return
     k, prompts, completions, metadata = msg
     try:
-      reply = ("ok", [float(x) for x in fns[k](prompts, completions, metadata)])
+      out = fns[k](prompts, completions, metadata)
     except Exception as e:
       reply = ("error", f"raised {type(e).__name__}: {e}")
+    else:
+      try:
+        reply = ("ok", scores_of(out))
+      except (TypeError, ValueError) as e:
+        reply = ("error", f"returned an unusable value ({e})")
     conn.send(reply)
+
+
+def scores_of(out) -> list[float]:
+  """A reward function's return value as floats: a sequence of real numbers (numpy ones and bools too). A string,
+  or an item that is no number (before: float() took "1.0"), is a TypeError saying what it got."""
+  if isinstance(out, str | bytes) or not hasattr(out, "__iter__"):
+    raise TypeError(f"returned {type(out).__name__} {out!r:.40}; expected a list of numbers, one per completion")
+  scores = []
+  for x in out:
+    if isinstance(x, str | bytes):
+      raise TypeError(f"returned a {type(x).__name__} score {x!r:.40}; scores are numbers")
+    scores.append(float(x))
+  return scores
 
 
 class Worker:

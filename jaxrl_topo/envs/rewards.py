@@ -21,6 +21,7 @@ not handle symbolic equivalence, for example 2\\sqrt{2} against \\sqrt{8}.
 """
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -193,9 +194,11 @@ def format_reward(prompts: list[str], completions: list[str], metadata: list[dic
   return scores
 
 
-def resolve(path: str, what: str = "reward", builtins: Mapping[str, str] | None = None) -> RewardFn:
+def resolve(path: str, what: str = "reward", builtins: Mapping[str, str] | None = None,
+            args: tuple[str, ...] = ("prompts", "completions", "metadata")) -> RewardFn:
   """The reward function named by a built-in name (`BUILTINS`) or an import path "pkg.module:fn"; `what` names
-  the setting in errors, `builtins` replaces BUILTINS (environments: envs/env.py).
+  the setting in errors, `builtins` replaces BUILTINS (environments: envs/env.py), `args` names the positional
+  arguments it is called with (an environment factory: none); a signature that cannot take them is refused.
 
   The attribute may be dotted ("pkg.module:Class.method"). Modules are found on sys.path and in
   the current directory (`my_reward.py` where you run the launcher is "my_reward:fn"). Raises
@@ -227,5 +230,13 @@ def resolve(path: str, what: str = "reward", builtins: Mapping[str, str] | None 
     obj = getattr(obj, part)
   if not callable(obj):
     raise ValueError(f"{what}: {target} is a {type(obj).__name__}, not a callable")
+  try:
+    sig = inspect.signature(obj)
+  except (TypeError, ValueError):  # some builtins have none: then the first call says
+    return obj
+  try:
+    sig.bind(*args)
+  except TypeError as e:  # before: found at the first scoring call, after the warm-up
+    raise ValueError(f"{what}: {target}{sig} cannot be called as {attr}({', '.join(args)}): {e}") from None
   return obj
 

@@ -29,7 +29,9 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 
+from jaxrl_topo.envs.env import checked_reset, checked_step
 from jaxrl_topo.envs.env_pool import EnvPool
 from jaxrl_topo.models.tokenizer import Tokenizer
 
@@ -96,13 +98,17 @@ class EnvTurns:
     over `max_prompt_len` tokens keeps its last ones, as data.overlong="truncate" does (counted)."""
     for j, ex in enumerate(examples):
       self.pool.submit(("reset", j), ex, [])
-    got = {}
+    got, why = {}, ""
     while len(got) < len(examples):
       for key, kind, payload in self.pool.poll(block=True):
         if isinstance(key, tuple) and key[0] == "reset":
           got[key[1]] = payload[0] if kind == "ok" else None
+          why = why or ("" if kind == "ok" else f"{kind}: {payload}")
         else:
           self._backlog.append((key, kind, payload))
+    if why:  # before (a new user's trial): only counted in metrics.jsonl, even when every reset failed
+      logging.warning("environment: %d of %d resets failed (the first: %s); their episodes score %s",
+                      sum(v is None for v in got.values()), len(examples), why, self.error_score)
     out, truncated = [], 0
     for j, ex in enumerate(examples):
       obs = got[j]
@@ -170,29 +176,42 @@ class EnvTurns:
       info[f"env/{k}"] = float(np.mean([float(ep.info.get(k, 0.0)) if ep else 0.0 for ep in eps]))
     reasons = collections.Counter(s.finish_reason for s in samples)
     info.update({f"env/finish_{r}": n / len(samples) for r, n in reasons.items()})
+    if info["env/errors"] or info["env/timeouts"]:  # as a failing reward function is (reward_pool.py)
+      logging.warning("environment: %d of %d episodes failed (%d errors, %d timeouts; the last: %s); each scores %s",
+                      info["env/errors"] + info["env/timeouts"], len(samples), info["env/errors"],
+                      info["env/timeouts"], self.last_failure, self.error_score)
     return returns, info
 
 
 def demonstrations(tokenizer: Tokenizer, make_env, examples: list[dict], *, chat: bool = True, role: str = "user",
-                   resp_len: int) -> list[tuple[list[int], list[int], list[float]]]:
+                   resp_len: int, name: str = "env.fn") -> list[tuple[list[int], list[int], list[float]]]:
   """Warm-up episodes from examples' `demo_turns` (model turn texts), built exactly as rollouts are:
   (prompt ids, response ids, loss mask) with the environment's replies masked. A turn that is not a
-  tool call ends with EOS. Runs the environment in-process (built-in, trusted environments)."""
-  eos = tokenizer.eos_token_ids[0]
+  tool call ends with EOS. Runs the environment in-process; one that raises or returns the wrong types is a
+  ValueError naming `name` (the environment) and the example."""
   out = []
-  for ex in examples:
-    env = make_env()
-    obs0 = env.reset(dict(ex))
-    messages, ids, mask = [{"role": "user", "content": obs0}], [], []
-    for text in ex["demo_turns"]:
-      obs, _, done, _ = env.step(text)
-      turn = tokenizer.encode(text) + ([eos] if done else [])
-      ids, mask = ids + turn, mask + [1.0] * len(turn)
-      if done:
-        break
-      reply = reply_ids(tokenizer, messages, text, obs, role=role) if chat else tokenizer.encode(obs)
-      messages += [{"role": "assistant", "content": text}, {"role": role, "content": obs}]
-      ids, mask = ids + reply, mask + [0.0] * len(reply)
-    if len(ids) <= resp_len:
-      out.append((first_prompt(tokenizer, obs0, chat), ids, mask))
+  for i, ex in enumerate(examples):
+    try:
+      episode = _demonstration(tokenizer, make_env(), ex, chat=chat, role=role)
+    except Exception as e:  # noqa: BLE001 -- the user's environment: any failure is named as its own
+      raise ValueError(f"env.fn={name}: the warm-up's demonstration of example {i} ({str(ex.get('prompt', ''))[:40]!r})"
+                       f" failed: {type(e).__name__}: {e}") from e
+    if len(episode[1]) <= resp_len:
+      out.append(episode)
   return out
+
+
+def _demonstration(tokenizer: Tokenizer, env, ex: dict, *, chat: bool, role: str):
+  eos = tokenizer.eos_token_ids[0]
+  obs0 = checked_reset(env, ex)
+  messages, ids, mask = [{"role": "user", "content": obs0}], [], []
+  for text in ex["demo_turns"]:
+    obs, _, done, _ = checked_step(env, text)
+    turn = tokenizer.encode(text) + ([eos] if done else [])
+    ids, mask = ids + turn, mask + [1.0] * len(turn)
+    if done:
+      break
+    reply = reply_ids(tokenizer, messages, text, obs, role=role) if chat else tokenizer.encode(obs)
+    messages += [{"role": "assistant", "content": text}, {"role": role, "content": obs}]
+    ids, mask = ids + reply, mask + [0.0] * len(reply)
+  return first_prompt(tokenizer, obs0, chat), ids, mask

@@ -154,7 +154,11 @@ def calibrate(spans: Sequence[Mapping], *, batch_seqs: int, tokens_per_step: flo
   if train_s is not None and med["logprobs"] is not None:  # the simulator's train phase includes the pre-pass
     train_s += med["logprobs"]
   if rollout_s is None or train_s is None:
-    raise ValueError(f"calibrate needs rollout and train spans at step >= {skip_steps}")
+    r, t = (sorted({s["step"] for s in spans if s["phase"] == ph}) or "none" for ph in ("rollout", "train"))
+    skip = f"; the fit skips the first {skip_steps}, whose spans hold compiles" if skip_steps else ""
+    raise ValueError(f"no step from step {skip_steps} on has both a rollout and a train span (rollout spans: steps "
+                     f"{r}; train spans: steps {t}{skip}): review a run that has finished at least {skip_steps + 1} "
+                     "step(s)")
   r_dev, t_dev = _devices(spans, "rollout"), _devices(spans, "train")
   if not r_dev or not t_dev:
     raise ValueError("rollout and train spans must list their devices")

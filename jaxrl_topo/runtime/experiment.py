@@ -161,7 +161,7 @@ def warm_up(cfg: RunConfig, graphdef, params, fns: PolicyFns, tokenizer: Tokeniz
            if ex.get("answer")]
   if cfg.env.fn:  # multi-turn demonstrations, the environment's replies masked (envs/turns.py)
     pairs = demonstrations(tokenizer, resolve_env(cfg.env.fn), [ex for ex in train_examples if ex.get("demo_turns")],
-                           chat=cfg.data.chat_template, role=cfg.env.role, resp_len=resp_len)
+                           chat=cfg.data.chat_template, role=cfg.env.role, resp_len=resp_len, name=cfg.env.fn)
   if not pairs:
     raise ValueError("run.sft_steps > 0 needs training prompts with reference answers")
   step, opt_state = make_sft_step(fns, sft_optimizer(rc.sft_lr, rc.sft_max_grad_norm, rc.sft_weight_decay), params)
