@@ -22,7 +22,7 @@ from absl import app, flags, logging
 
 from jaxrl_topo import cli
 from jaxrl_topo.rollout import generate
-from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
+from jaxrl_topo.rollout.paged import READ_HELP, READS
 from jaxrl_topo.rollout.sampling import SamplingConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).",
@@ -43,7 +43,7 @@ _DATA = flags.DEFINE_integer("data", 1, "Data-parallel width of the rollout mesh
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel width of the rollout mesh (splits heads/mlp).")
 _STOP = flags.DEFINE_multi_string("stop", [], r"Stop string (repeatable): a completion ends right after it. "
                                   r"\n, \t and \\ in it are a newline, a tab and a backslash (--stop='\n').")
-_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
+_READ = flags.DEFINE_enum("read", "auto", list(READS), READ_HELP)
 _PAGE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page: the engine's pool is allocated in pages of this "
                              "many (larger pages: fewer gathers a step, more tokens unused at each sequence's end).")
 _CHUNK = flags.DEFINE_integer("decode_chunk", 8, "Decode steps per device call (between host reads of the tokens).")

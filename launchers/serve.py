@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from jaxrl_topo import cli
-from jaxrl_topo.rollout.paged import IMPLS, READ_HELP
+from jaxrl_topo.rollout.paged import READ_HELP, READS
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF directory (config.json, *.safetensors, tokenizer.json).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run of launchers/train.py: serve its newest checkpoint.")
@@ -45,7 +45,7 @@ _FOLLOW = flags.DEFINE_float("follow_s", 0.0, "With --workdir: every N seconds, 
                              "checkpoint if it is newer (gen_id = its step); 0 = serve one checkpoint.")
 _POLICY = flags.DEFINE_enum("policy", "finish_on_old", ["keep_kv", "finish_on_old", "abort_and_resume"],
                             "How a hot weight swap lands (JetStreamEngine.swap_weights).")
-_READ = flags.DEFINE_enum("read", "auto", ["auto", *IMPLS], READ_HELP)
+_READ = flags.DEFINE_enum("read", "auto", list(READS), READ_HELP)
 _ENGINE = cli.define_engine_flags()
 
 

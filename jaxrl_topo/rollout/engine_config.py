@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from jaxrl_topo.rollout.host_state import _pow2
-from jaxrl_topo.rollout.paged import IMPLS
+from jaxrl_topo.rollout.paged import check_read
 from jaxrl_topo.rollout.requests import token_ids
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import check_types
@@ -56,8 +56,7 @@ class EngineConfig:
     for name in ("n_slots", "page_size", "n_pages", "max_len", "decode_chunk", "min_bucket"):
       if getattr(self, name) <= 0:
         raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
-    if self.impl not in ("auto", *IMPLS):
-      raise ValueError(f"EngineConfig.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
+    check_read(self.impl, "EngineConfig.impl")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}; expected one of {KV_DTYPES} or None")
     for name, zero in (("min_window_tokens", "no floor"), ("pallas_splits", "the kernel's default"),

@@ -30,7 +30,7 @@ from jaxrl_topo.models.tokenizer import Tokenizer, read_eos_token_ids
 from jaxrl_topo.rollout.dense import DecodeConfig, bucket_length, generate_dense
 from jaxrl_topo.rollout.engine import EngineConfig, Request, RolloutEngine
 from jaxrl_topo.rollout.engine_config import check_fields, engine_options
-from jaxrl_topo.rollout.paged import IMPLS
+from jaxrl_topo.rollout.paged import check_read
 from jaxrl_topo.rollout.requests import stop_string_end
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.topology.rules import ROLLOUT_RULES, make_mesh
@@ -210,8 +210,7 @@ def run(model_dir: str, prompts_path: str, out_path: str, *, max_new_tokens: int
   per KV page."""
   engine = engine_knobs(engine)
   check_fields({"page_size": page_size}, "")  # EngineConfig's own check, before the model loads
-  if read not in ("auto", *IMPLS):
-    raise ValueError(f"read={read!r}; expected one of {('auto', *IMPLS)}")
+  check_read(read, "read")
   DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # its checks, before the model loads too
   check_sizes(batch_size, data, tensor)
   check_out_file(out_path, "out_path")

@@ -76,6 +76,13 @@ from jaxrl_topo.models.config import ModelConfig
 from jaxrl_topo.models.layers import gqa_attention
 
 IMPLS = ("reference", "fast", "bucketed", "pallas", "window")
+READS = ("auto", *IMPLS)  # what a config, EngineConfig.impl or a launcher's --read may name
+
+
+def check_read(value: str, name: str) -> None:
+  """Refuses a decode read that is none of READS, naming the setting (`name`: rollout.impl, read, ...)."""
+  if value not in READS:
+    raise ValueError(f"{name}={value!r}; expected one of {READS}")
 # The launchers' --read flag (generate.py, serve.py): "auto" or one of IMPLS.
 READ_HELP = ("The engine's paged decode read (rollout/paged.py): auto = window on CPU, the Pallas kernel on GPU "
              "where it works, else bucketed.")

@@ -11,7 +11,7 @@ from jaxrl_topo.models.config import ATTENTION_IMPLS
 from jaxrl_topo.models.presets import check_fields
 from jaxrl_topo.rollout import engine_config
 from jaxrl_topo.rollout.engine_config import UPDATE_POLICIES
-from jaxrl_topo.rollout.paged import IMPLS
+from jaxrl_topo.rollout.paged import check_read
 from jaxrl_topo.rollout.sampling import SamplingConfig
 from jaxrl_topo.runtime.dataclass_io import check_ranges
 from jaxrl_topo.topology.transfer import ROUTES
@@ -135,8 +135,7 @@ class RolloutSpec:
 
   def __post_init__(self):
     engine_config.check_fields({name: getattr(self, name) for name in engine_config.SHARED_FIELDS}, "rollout.")
-    if self.impl not in ("auto", *IMPLS):
-      raise ValueError(f"rollout.impl={self.impl!r}; expected one of {('auto', *IMPLS)}")
+    check_read(self.impl, "rollout.impl")
     if self.update_policy not in UPDATE_POLICIES:
       raise ValueError(f"rollout.update_policy={self.update_policy!r}; expected one of {UPDATE_POLICIES}")
     if self.pallas_splits and self.impl not in ("auto", "pallas"):

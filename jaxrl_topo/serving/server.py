@@ -98,15 +98,14 @@ class ServeConfig:
   engine: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
-    from jaxrl_topo.rollout.paged import IMPLS
+    from jaxrl_topo.rollout.paged import check_read
 
     for name in ("slots", "max_len", "max_new_tokens", "page_size", "decode_chunk", "data", "tensor"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be positive")
     if self.page_size > self.max_len:  # max_len is rounded down to whole pages: none would be left
       raise ValueError(f"page_size={self.page_size} must be <= max_len={self.max_len}")
-    if self.read not in ("auto", *IMPLS):
-      raise ValueError(f"read={self.read!r}; expected one of {['auto', *IMPLS]}")
+    check_read(self.read, "read")
     if self.slots % self.data:
       raise ValueError(f"slots={self.slots} must split over data={self.data}")
     self.sampling  # noqa: B018  (validates temperature / top-k / top-p / min-p now)
